@@ -1,0 +1,3 @@
+"""megascale: train large language models from one CPU core to ten thousand GPUs."""
+
+__version__ = "0.1.0"

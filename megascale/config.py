@@ -1,0 +1,315 @@
+"""Typed configuration: one dataclass per section, loaded from TOML with dotted overrides.
+
+A run is fully described by a `Config`. It is read from a TOML file (`configs/*.toml`),
+then `section.field=value` overrides from the command line are applied, then the whole is
+validated. Every user mistake raises `ConfigError`, whose message names the field and the
+reason; the CLI turns it into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake. The message names the field and the problem."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # 0: take it from the tokenizer
+    seq_len: int = 256
+    n_layers: int = 6
+    d_model: int = 384
+    n_heads: int = 6
+    d_ff: int = 0  # 0: 4*d_model for GeLU, 8/3*d_model rounded up to a multiple of 64 for SwiGLU
+    style: str = "gpt"  # "gpt": LayerNorm, GeLU, learned positions; "llama": RMSNorm, SwiGLU, rotary
+    block: str = "sequential"  # "sequential": x+Attn(LN x) then +MLP(LN .); "parallel": x+Attn(LN x)+MLP(LN x)
+    attention: str = "full"  # "full" causal, or "sliding" (each token sees itself and the previous window-1)
+    window: int = 0  # sliding-window size in tokens; required when attention = "sliding"
+    bias: bool = True  # biases in linear layers and LayerNorm (GPT style); Llama style uses none
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    recompute: bool = False  # activation recomputation per block: memory for compute
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        if self.style == "llama":
+            return 64 * ((int(8 * self.d_model / 3) + 63) // 64)
+        return 4 * self.d_model
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor parallel size (ranks adjacent, one machine)
+    pp: int = 1  # pipeline parallel size
+    dp: int = 1  # data parallel size
+    vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B)
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # "adamw" (PyTorch's) or "lamb" (ours)
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # "cosine" (warm-up then cosine to min_lr) or "constant" (after warm-up)
+    grad_clip: float = 1.0  # global grad-norm clipping; 0 turns it off
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/cache/shakespeare"  # prefix of the indexed dataset (<path>.bin / <path>.idx)
+    source: str = ""  # text/JSONL file, directory or glob to build `path` from when it does not exist
+    tokenizer: str = "byte"  # "byte", "gpt2", or a path to a Hugging Face tokenizer.json
+    val_fraction: float = 0.05  # fraction of documents held out for validation
+    seed: int = 1234
+    preprocess_workers: int = 2
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    global_batch: int = 32  # sequences per optimizer step (all data-parallel ranks, all micro-batches)
+    micro_batch: int = 8  # sequences per forward/backward
+    seed: int = 1337
+    dtype: str = "fp32"  # "fp32" or "bf16" (autocast; master weights stay fp32)
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    eval_interval: int = 100  # steps between validation passes; 0 turns validation off
+    eval_batches: int = 10
+    log_interval: int = 10
+    run_dir: str = "runs/default"
+    compile: bool = False  # torch.compile the model
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 500  # steps between checkpoints; 0: only at the end and on interruption
+    keep: int = 2  # how many checkpoints to keep in the run directory
+    resume: bool = True  # resume from the newest checkpoint in the run directory if one exists
+
+
+@dataclass
+class LogConfig:
+    jsonl: bool = True
+    tensorboard: bool = True
+    progress: bool = True  # progress bar; off in CI logs and tests
+    sample_tokens: int = 200  # tokens of text sampled at the end of `train` (0: none)
+    sample_prompt: str = "ROMEO:"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (optional), apply `section.field=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p}: does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p}: not valid TOML ({e})") from None
+    cfg = from_dict(raw)
+    for ov in overrides or []:
+        apply_override(cfg, ov)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    cfg = Config()
+    for section, values in raw.items():
+        if section not in _sections():
+            raise ConfigError(f"{section}: unknown config section (known: {', '.join(_sections())})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: must be a table of fields, got {values!r}")
+        for key, value in values.items():
+            _set_field(cfg, f"{section}.{key}", value)
+    return cfg
+
+
+def apply_override(cfg: Config, override: str) -> None:
+    """Apply one `section.field=value`; the value is parsed as a TOML literal, else taken as a string."""
+    if "=" not in override:
+        raise ConfigError(f"{override}: an override must look like section.field=value")
+    name, text = override.split("=", 1)
+    name = name.strip()
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words are strings: data.tokenizer=gpt2
+    _set_field(cfg, name, value)
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config)]
+
+
+def _set_field(cfg: Config, name: str, value: Any) -> None:
+    parts = name.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"{name}: a field is named section.field")
+    section, key = parts
+    if section not in _sections():
+        raise ConfigError(f"{name}: unknown config section {section!r} (known: {', '.join(_sections())})")
+    obj = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    if key not in fields:
+        close = [k for k in fields if k.startswith(key[:3])]
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{name}: unknown field{hint}")
+    hint_type = typing.get_type_hints(type(obj))[key]
+    setattr(obj, key, _coerce(name, value, hint_type))
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - only the four scalar types are used
+        return value
+    raise ConfigError(f"{name}: expected {hint.__name__}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Validation: impossible combinations, each with the field and the reason
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {value!r}")
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{name}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(cfg: Config) -> None:
+    m, o, t, p, d = cfg.model, cfg.optim, cfg.train, cfg.parallel, cfg.data
+    _choice("model.style", m.style, ("gpt", "llama"))
+    _choice("model.block", m.block, ("sequential", "parallel"))
+    _choice("model.attention", m.attention, ("full", "sliding"))
+    for name in ("seq_len", "n_layers", "d_model", "n_heads"):
+        _positive(f"model.{name}", getattr(m, name))
+    _positive("model.vocab_size", m.vocab_size, allow_zero=True)
+    _positive("model.d_ff", m.d_ff, allow_zero=True)
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.n_heads: {m.n_heads} heads do not divide model.d_model={m.d_model}")
+    if m.style == "llama" and m.head_dim % 2:
+        raise ConfigError(f"model.n_heads: rotary positions need an even head size, got {m.head_dim}")
+    if m.attention == "sliding":
+        if m.window <= 0:
+            raise ConfigError("model.window: sliding-window attention needs a window > 0")
+        if m.window > m.seq_len:
+            raise ConfigError(f"model.window: window {m.window} is larger than model.seq_len={m.seq_len}")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout: must be in [0, 1), got {m.dropout}")
+
+    _choice("optim.name", o.name, ("adamw", "lamb"))
+    _choice("optim.schedule", o.schedule, ("cosine", "constant"))
+    _positive("optim.lr", o.lr)
+    _positive("optim.min_lr", o.min_lr, allow_zero=True)
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr: {o.min_lr} is above optim.lr={o.lr}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, name) < 1.0:
+            raise ConfigError(f"optim.{name}: must be in [0, 1), got {getattr(o, name)}")
+    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    _positive("optim.grad_clip", o.grad_clip, allow_zero=True)
+
+    _choice("train.dtype", t.dtype, ("fp32", "bf16", "fp64"))
+    _choice("train.device", t.device, ("auto", "cpu", "cuda"))
+    _positive("train.steps", t.steps)
+    _positive("train.micro_batch", t.micro_batch)
+    _positive("train.global_batch", t.global_batch)
+    for name in ("eval_interval", "eval_batches", "log_interval"):
+        _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    per_step = t.micro_batch * p.dp
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch: {t.global_batch} sequences do not split into micro-batches of "
+            f"train.micro_batch={t.micro_batch} x parallel.dp={p.dp}"
+        )
+
+    for name in ("tp", "pp", "dp", "vpp"):
+        _positive(f"parallel.{name}", getattr(p, name))
+
+    _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
+    _positive("data.preprocess_workers", d.preprocess_workers)
+    if not d.path:
+        raise ConfigError("data.path: must name the dataset prefix (<path>.bin / <path>.idx)")
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
