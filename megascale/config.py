@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megascale.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A user-facing configuration mistake. The message names the field and the problem."""
 
 
@@ -30,7 +32,8 @@ class ModelConfig:
     n_heads: int = 6
     d_ff: int = 0  # 0: 4*d_model for GeLU, 8/3*d_model rounded up to a multiple of 64 for SwiGLU
     style: str = "gpt"  # "gpt": LayerNorm, GeLU, learned positions; "llama": RMSNorm, SwiGLU, rotary
-    block: str = "sequential"  # "sequential": x+Attn(LN x) then +MLP(LN .); "parallel": x+Attn(LN x)+MLP(LN x)
+    # "sequential": h = x + Attn(LN x); y = h + MLP(LN h).  "parallel": y = x + Attn(LN x) + MLP(LN x)
+    block: str = "sequential"
     attention: str = "full"  # "full" causal, or "sliding" (each token sees itself and the previous window-1)
     window: int = 0  # sliding-window size in tokens; required when attention = "sliding"
     bias: bool = True  # biases in linear layers and LayerNorm (GPT style); Llama style uses none

@@ -1,0 +1,12 @@
+"""User-facing errors.
+
+Anything a person can fix (a config field, a path, a dataset, a checkpoint) raises a
+`UserError` whose message names the field or file and what is wrong. The CLI prints it
+as one line and exits with code 2; no traceback is shown for user mistakes.
+"""
+
+
+class UserError(Exception):
+    """A mistake in the user's input; the message is shown as is, on one line."""
+
+    exit_code = 2
