@@ -1,0 +1,98 @@
+"""`megascale <verb>`: the command line.
+
+Verbs: train, generate, preprocess, tokenizer, plan. Every verb reports user mistakes
+(`UserError`: a bad config field, path, dataset, tokenizer or checkpoint) as one line on
+stderr and exits with code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megascale.errors import UserError
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from megascale.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(cfg.to_toml(), end="")
+        return 0
+    from megascale.train import Trainer
+
+    resume = True if args.resume else (False if args.no_resume else None)
+    trainer = Trainer(cfg, resume=resume)
+    result = trainer.fit()
+    print(f"done: {result['steps']} steps, train loss {result['train_loss']:.4f}, "
+          f"val loss {result['val_loss']:.4f}, {result['tokens_per_s']:,.0f} tok/s (median), "
+          f"MFU {100 * result['mfu']:.1f}%, {result['seconds']:.0f}s")
+    if result["interrupted"]:
+        return 128 + result["stop_signal"]  # the shell convention for "stopped by a signal"
+    if cfg.log.sample_tokens:
+        from megascale.generate import sample_text
+
+        text = sample_text(trainer.model, trainer.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens,
+                           temperature=0.8, top_k=50, seed=cfg.train.seed)
+        print(f"--- sample ({cfg.log.sample_tokens} tokens from {cfg.log.sample_prompt!r}) ---\n{text}\n---")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from megascale.generate import generate_from_run
+
+    print(generate_from_run(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
+                            args.top_k, args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megascale", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    p = sub.add_parser("train", help="train a model from a config")
+    p.add_argument("--config", help="TOML config file (configs/*.toml)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help="resume; fail if the run directory has no checkpoint")
+    g.add_argument("--no-resume", action="store_true", help="start fresh even if a checkpoint exists")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("generate", help="sample text from a trained run")
+    p.add_argument("--checkpoint", required=True, help="run directory (or one checkpoint directory in it)")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_generate)
+
+    from megascale.data.cli import register as register_data
+
+    register_data(sub)
+    try:
+        from megascale.perf.cli import register as register_plan
+    except ImportError:  # the planner is optional at this stage of the project
+        register_plan = None
+    if register_plan is not None:
+        register_plan(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"megascale {args.verb}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"megascale {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Config loading, overrides and validation: every mistake names the field and the reason."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megascale.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, "[model]\nn_layers = 3\n"), ["model.d_model=128", "model.n_heads=4",
+                                                                   "data.tokenizer=gpt2", "optim.lr=3e-4"])
+    assert cfg.model.n_layers == 3 and cfg.model.d_model == 128
+    assert cfg.data.tokenizer == "gpt2"
+    assert cfg.optim.lr == pytest.approx(3e-4)
+
+
+def test_int_is_accepted_for_float():
+    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config(None, ["model.attention=sliding", "model.window=64", "train.steps=7"])
+    again = load_config(write(tmp_path, cfg.to_toml()))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, field, reason",
+    [
+        (["model.n_layer=4"], "model.n_layer", "unknown field"),
+        (["modle.n_layers=4"], "modle.n_layers", "unknown config section"),
+        (["model.n_layers=four"], "model.n_layers", "expected int"),
+        (["model.n_layers=2.5"], "model.n_layers", "expected int"),
+        (["train.compile=1"], "train.compile", "expected bool"),
+        (["model.d_model=100", "model.n_heads=3"], "model.n_heads", "do not divide"),
+        (["model.attention=sliding", "model.window=512", "model.seq_len=256"], "model.window", "larger"),
+        (["model.attention=sliding"], "model.window", "window > 0"),
+        (["train.global_batch=30", "train.micro_batch=8"], "train.global_batch", "do not split"),
+        (["model.style=bert"], "model.style", "must be one of"),
+        (["optim.min_lr=1.0", "optim.lr=0.1"], "optim.min_lr", "above"),
+        (["train.steps=0"], "train.steps", "> 0"),
+        (["model.dropout=1.5"], "model.dropout", "[0, 1)"),
+        (["noequals"], "noequals", "section.field=value"),
+    ],
+)
+def test_errors_name_field_and_reason(overrides, field, reason):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    msg = str(e.value)
+    assert msg.startswith(field), msg
+    assert reason in msg, msg
+    assert "\n" not in msg
+
+
+def test_unknown_key_in_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"^train\.stepz: unknown field \(did you mean steps\?\)"):
+        load_config(write(tmp_path, "[train]\nstepz = 3\n"))
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "[model\n"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_cli_config_error_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "megascale", "train", "--config", "configs/cpu_default.toml",
+                        "model.n_layrs=2", f"train.run_dir={tmp_path}/run"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.n_layrs: unknown field" in lines[0], r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_print_config(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "megascale", "train", "--config", "configs/cpu_default.toml",
+                        "--print-config", "model.n_layers=3"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "[model]" in r.stdout and "n_layers = 3" in r.stdout
