@@ -1,0 +1,55 @@
+"""Write files so that readers see either the old version or the whole new one.
+
+Every output of the data pipeline (tokenizer.json, <prefix>.bin, <prefix>.idx) is first
+written next to its destination under a temporary name and then renamed over it with
+`os.replace`, which is atomic on one filesystem. On an error or Ctrl-C the temporary
+files are removed, so a failed run never leaves a half-written dataset that a later run
+would mistake for a good one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def temp_name(final: Path) -> Path:
+    """A sibling of `final` (same directory, so same filesystem) unique to this process."""
+    return final.with_name(f"{final.name}.tmp.{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_outputs(*finals: str | Path) -> Iterator[list[Path]]:
+    """Yield temporary paths to write; on success move them onto `finals`, in order.
+
+    The order matters for multi-file outputs: the file a reader checks last (the .idx of
+    a dataset) should be committed last.
+    """
+    paths = [Path(f) for f in finals]
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    temps = [temp_name(p) for p in paths]
+    try:
+        yield temps
+        for tmp, final in zip(temps, paths, strict=True):
+            _fsync(tmp)  # data on disk before the rename makes it visible
+            os.replace(tmp, final)
+    finally:
+        for tmp in temps:  # only left over when something failed
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_outputs(path) as (tmp,):
+        tmp.write_text(text, encoding="utf-8")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
