@@ -1,0 +1,206 @@
+"""The resumable batch loader: which samples make up each optimizer step, and loading them.
+
+The data order is a single infinite stream of sample indices: epoch 0's permutation,
+then epoch 1's, and so on (a fixed order for validation). Step s takes stream positions
+[s*B, (s+1)*B) for global batch B, wherever they fall, so an epoch boundary can lie
+inside a batch and no sample is dropped or repeated within an epoch. The only state is
+the number of samples consumed (as in Megatron-LM), which is what makes a resumed run
+continue bit-for-bit and lets the global batch size change on resume.
+
+The global batch is the same for every parallel layout; a data-parallel rank reads only
+its contiguous slice of it (`dp_rank`, `dp_size`), so dp=1 and dp=4 see the same
+samples per step.
+
+With `prefetch=N` a background thread loads the next N batches while the caller
+computes; it produces exactly the batches the synchronous path would, in order.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from megascale.data.dataset import PackedSamples, epoch_permutation
+from megascale.errors import UserError
+
+
+class BatchLoader:
+    def __init__(
+        self,
+        samples: PackedSamples,
+        global_batch: int,
+        seed: int,
+        *,
+        shuffle: bool = True,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        prefetch: int = 2,
+    ) -> None:
+        if len(samples) == 0:
+            raise UserError(f"data: the {samples.name} split has {samples.num_tokens} tokens, too few for "
+                            f"one sample of model.seq_len + 1 = {samples.seq_len + 1}")
+        if global_batch < 1 or global_batch % dp_size or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"global_batch {global_batch} must split evenly over dp_size {dp_size} "
+                             f"(dp_rank {dp_rank})")
+        self.samples, self.global_batch, self.seed, self.shuffle = samples, global_batch, seed, shuffle
+        self.dp_rank, self.dp_size, self.prefetch = dp_rank, dp_size, prefetch
+        self.consumed_samples = 0
+        self._perms: dict[int, np.ndarray] = {}  # epoch -> order; a batch spans at most a few epochs
+        self._perm_lock = threading.Lock()  # shared by the caller and the prefetch thread
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+
+    # ---- order
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next sample comes from."""
+        return self.consumed_samples // self.num_samples
+
+    def stream_indices(self, position: int, count: int) -> np.ndarray:
+        """Sample indices at stream positions [position, position + count)."""
+        pos = np.arange(position, position + count, dtype=np.int64)
+        within = pos % self.num_samples
+        if not self.shuffle:
+            return within
+        epochs = pos // self.num_samples
+        out = np.empty_like(pos)
+        for e in np.unique(epochs):
+            mask = epochs == e
+            out[mask] = self._permutation(int(e))[within[mask]]
+        return out
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Sample indices of the whole global batch of `step` (counting from step 0 at this batch size)."""
+        return self.stream_indices(step * self.global_batch, self.global_batch)
+
+    def local_slice(self, dp_rank: int | None = None, dp_size: int | None = None) -> slice:
+        """The rows of a global batch that data-parallel rank `dp_rank` of `dp_size` trains on."""
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        size = self.dp_size if dp_size is None else dp_size
+        per = self.global_batch // size
+        return slice(rank * per, (rank + 1) * per)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        with self._perm_lock:
+            if epoch not in self._perms:
+                if len(self._perms) >= 2:
+                    del self._perms[min(self._perms)]
+                self._perms[epoch] = epoch_permutation(self.num_samples, self.seed, epoch)
+            return self._perms[epoch]
+
+    # ---- loading
+
+    def _load(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = self.stream_indices(position, self.global_batch)[self.local_slice()]
+        tokens = self.samples.batch(indices)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the next step: int64 [global_batch // dp_size, seq_len] each."""
+        if self.prefetch <= 0:
+            batch = self._load(self.consumed_samples)
+        else:
+            if self._thread is None:
+                self._start()
+            position, batch = self._queue.get()
+            if isinstance(batch, BaseException):
+                self._halt()
+                raise batch
+            assert position == self.consumed_samples, "prefetch thread out of step"
+        self.consumed_samples += self.global_batch
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        # The thread holds the loader only weakly, so a loader that is dropped without
+        # close() is still collected; the finalizer stops the thread then, or at exit
+        # (a daemon thread killed inside a torch call at shutdown aborts the process).
+        self._thread = threading.Thread(
+            target=_produce, args=(weakref.ref(self), self.consumed_samples, self._queue, self._stop),
+            name="megascale-data-prefetch", daemon=True,
+        )
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._thread)
+
+    def _halt(self) -> None:
+        """Stop the prefetch thread and drop what it loaded (it was for the old position)."""
+        if self._thread is not None:
+            self._finalizer()
+            self._thread = None
+
+    def close(self) -> None:
+        self._halt()
+
+    def __enter__(self) -> BatchLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, "num_samples": self.num_samples,
+                "seed": self.seed, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a `state_dict`. The sample set and seed must be the ones it was taken with,
+        else the order would silently differ; the global batch size may change."""
+        mine = self.state_dict()
+        for key in ("num_samples", "seed", "shuffle"):
+            if key in state and state[key] != mine[key]:
+                raise UserError(
+                    f"data loader state: the checkpoint has {key}={state[key]}, this run {mine[key]} "
+                    "(data.path, data.seed, data.val_fraction or model.seq_len changed since it was taken)"
+                )
+        self._halt()
+        self.consumed_samples = int(state["consumed_samples"])
+
+    def reset(self) -> None:
+        """Back to the first sample (e.g. to run the same validation batches at every evaluation)."""
+        self.load_state_dict({"consumed_samples": 0})
+
+
+def _produce(ref: weakref.ref, position: int, out: queue.Queue, stop: threading.Event) -> None:
+    """Prefetch thread: load the batches at `position`, `position` + B, ... into `out`."""
+    while not stop.is_set():
+        loader = ref()
+        if loader is None:
+            return
+        try:
+            item: Any = (position, loader._load(position))
+        except BaseException as e:  # handed to the caller, which re-raises it
+            item = (position, e)
+        step = loader.global_batch
+        del loader
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        if isinstance(item[1], BaseException):
+            return
+        position += step
+
+
+def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    if thread is not threading.current_thread():
+        thread.join()
