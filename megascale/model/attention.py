@@ -1,0 +1,43 @@
+"""Causal self-attention with a fused qkv projection; full or sliding-window.
+
+The qkv projection's output features are ordered (head, [q, k, v], head_dim) (see
+factory.py), so a column-parallel shard holds whole heads. Shapes use -1 for the head count:
+under tensor parallelism this module runs unchanged on its local heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megascale.config import ModelConfig
+from megascale.model.factory import LayerFactory
+from megascale.model.rotary import Rotary
+from megascale.ops.attention import causal_attention, sliding_window_attention
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory, rotary: Rotary | None = None):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.window = cfg.window if cfg.attention == "sliding" else 0
+        self.dropout = cfg.dropout
+        self.qkv = factory.linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, style="column")
+        self.proj = factory.linear(cfg.d_model, cfg.d_model, bias=cfg.bias, style="row")
+        # One Rotary shared by all layers (named_modules/named_buffers list it once); a
+        # pipeline stage holding only some blocks still carries it along.
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # (b, s, heads, 3, hd) -> three (b, heads, s, hd) views: no copy before the kernel.
+        q, k, v = self.qkv(x).view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        if self.rotary is not None:
+            q, k = self.rotary(q), self.rotary(k)
+        dropout = self.dropout if self.training else 0.0
+        if self.window:
+            y = sliding_window_attention(q, k, v, self.window, dropout)
+        else:
+            y = causal_attention(q, k, v, dropout)
+        # SDPA returns (b, heads, s, hd) laid out as (b, s, heads, hd): this reshape is a view.
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))

@@ -1,0 +1,39 @@
+"""Feed-forward networks: GPT's GeLU MLP and Llama's SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megascale.config import ModelConfig
+from megascale.model.factory import LayerFactory
+
+
+class GeluMLP(nn.Module):
+    """fc_out(gelu(fc_in x)); tanh-approximate GeLU as in GPT-2 and Megatron-LM."""
+
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory):
+        super().__init__()
+        self.fc_in = factory.linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias, style="column")
+        self.fc_out = factory.linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias, style="row")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x), approximate="tanh"))
+
+
+class SwiGLU(nn.Module):
+    """fc_out(silu(gate x) * up x) (Shazeer 2020), with gate and up fused in one matmul.
+
+    The fused output is ordered (ffn, [gate, up]): unit i's gate and up are adjacent rows,
+    so any column-parallel split of an even number of rows keeps each pair on one rank.
+    """
+
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory):
+        super().__init__()
+        self.fc_in = factory.linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False, style="column")
+        self.fc_out = factory.linear(cfg.ffn_dim, cfg.d_model, bias=False, style="row")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc_in(x).unflatten(-1, (-1, 2)).unbind(-1)
+        return self.fc_out(F.silu(gate) * up)
