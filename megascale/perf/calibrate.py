@@ -1,0 +1,128 @@
+"""`megascale plan --calibrate`: measure the GEMM curve and memory bandwidth of the machine at hand.
+
+The planner's compute model (perf/gemm.py) has three GEMM parameters and a memory bandwidth.
+On a GPU cluster the shipped presets carry chosen priors; here we replace them with
+measurements: a dozen matmuls of the shapes a transformer layer runs (square, tall-skinny,
+small head dimensions), timed after a warm-up, and a large elementwise add for bandwidth.
+`half_dim` is chosen on a grid and `max_efficiency` by least squares in log-time, so a
+handful of points is enough; `overhead_s` is the time of a tiny matmul (kernel launch or,
+on a CPU, PyTorch's dispatch). The result is stored per preset
+(~/.cache/megascale/calibration/NAME.json) and overlaid on the preset from then on.
+
+torch is imported inside the functions: the planner itself must not need it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+from megascale.errors import UserError
+from megascale.perf.gemm import shape_efficiency
+from megascale.perf.presets import ClusterPreset, GemmCurve, calibration_path
+
+SHAPES = [  # (m, n, k): square, token x hidden projections, attention-like small k
+    (128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024),
+    (2048, 256, 256), (2048, 768, 256), (2048, 1024, 256), (2048, 256, 1024),
+    (4096, 384, 384), (4096, 1536, 384), (4096, 384, 1536),
+    (256, 256, 64), (256, 64, 256), (64, 64, 64), (2048, 64, 2048),
+]  # fmt: skip
+_BUDGET_S = 0.25  # per shape
+
+
+def _time(fn, budget: float) -> float:
+    fn()  # warm-up
+    times: list[float] = []
+    t_end = time.perf_counter() + budget
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    # The fastest run: on a shared machine the others measure the neighbours, not the hardware.
+    return min(times)
+
+
+def measure(device: str, dtype: str, shapes=SHAPES, budget: float = _BUDGET_S) -> dict:
+    import torch
+
+    from megascale.perf.hardware import _torch_dtype
+
+    dt = _torch_dtype(torch, dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    points = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dt)
+        b = torch.randn(k, n, device=device, dtype=dt)
+
+        def run(a=a, b=b):
+            torch.mm(a, b)
+            sync()
+
+        points.append({"m": m, "n": n, "k": k, "seconds": _time(run, budget)})
+    tiny_a = torch.randn(8, 8, device=device, dtype=dt)
+    overhead = _time(lambda: (torch.mm(tiny_a, tiny_a), sync()), 0.1)
+    numel = 1 << 24
+    x, y, z = (torch.randn(numel, device=device, dtype=dt) for _ in range(3))
+    t_add = _time(lambda: (torch.add(x, y, out=z), sync()), 0.5)
+    return {
+        "points": points,
+        "overhead_s": overhead,
+        "memory_bw": 3 * numel * x.element_size() / t_add,
+    }
+
+
+def fit(points: list[dict], peak: float, overhead: float) -> GemmCurve:
+    """Least-squares fit (in log time) of max_efficiency and half_dim to measured GEMMs."""
+    best: tuple[float, float, float] | None = None
+    for i in range(41):
+        half = 2 ** (i / 4)  # 1 .. 1024, four points per octave
+        probe = GemmCurve(max_efficiency=1.0, half_dim=half, overhead_s=overhead)
+        logs = []
+        for p in points:
+            compute_t = max(p["seconds"] - overhead, 1e-9)
+            eff = 2 * p["m"] * p["n"] * p["k"] / compute_t / peak
+            logs.append(math.log(eff / shape_efficiency(probe, p["m"], p["n"], p["k"])))
+        log_e = statistics.fmean(logs)
+        err = sum((v - log_e) ** 2 for v in logs)
+        if best is None or err < best[0]:
+            best = (err, half, math.exp(log_e))
+    assert best is not None
+    return GemmCurve(max_efficiency=best[2], half_dim=best[1], overhead_s=overhead, memory_efficiency=1.0)
+
+
+def calibrate(preset: ClusterPreset, out: Path | None = None) -> dict:
+    """Measure on this machine, fit, store beside the preset name; returns what was stored."""
+    import torch
+
+    if preset.device == "cpu":
+        device = "cpu"
+        from megascale.perf.hardware import measure_cpu_peak
+
+        peak = measure_cpu_peak(preset.dtype)
+    else:
+        if not torch.cuda.is_available():
+            raise UserError(f"--calibrate --cluster {preset.name}: needs a GPU of that kind here; none found")
+        device = "cuda"
+        peak = preset.peak_flops  # the datasheet peak stays the MFU denominator
+    meas = measure(device, preset.dtype)
+    curve = fit(meas["points"], peak, meas["overhead_s"])
+    result = {
+        "preset": preset.name,
+        "peak_flops": peak,
+        "memory_bw": meas["memory_bw"],
+        "gemm": {
+            k: getattr(curve, k) for k in ("max_efficiency", "half_dim", "overhead_s", "memory_efficiency")
+        },
+        "points": meas["points"],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    path = out or calibration_path(preset.name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    result["path"] = str(path)
+    return result

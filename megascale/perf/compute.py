@@ -1,0 +1,177 @@
+"""Per-micro-batch compute time of one transformer layer (and of the embedding and the head).
+
+The layer is written out as the kernels it runs: GEMMs with their shapes on one tensor-
+parallel rank, and memory-bound kernels (norms, activation, residual adds) with the bytes
+they move. Times come from `DeviceModel` (perf/gemm.py). Tensor-parallel collectives are
+costed here too because they sit between those GEMMs:
+
+* sequence parallel: all-gather before each column-parallel GEMM, reduce-scatter after each
+  row-parallel one (forward; the mirror image in backward); without it, an all-reduce.
+* the parallel block (y = x + Attn(LN x) + MLP(LN x)) shares one LayerNorm, one all-gather
+  and one reduce-scatter between attention and MLP: half the TP traffic of the sequential one.
+* `tp_overlap` (MegaScale sec. 3.2): the all-gather / reduce-scatter is cut into tp chunks
+  pipelined against the GEMM it feeds or follows, so a pair costs
+  max(comm, gemm) + min(comm, gemm) / tp instead of comm + gemm.
+
+The GEMM FLOPs written here equal `perf.flops.forward_flops_per_token` (tests check it);
+attention GEMMs are scaled by the causal / sliding-window fraction of keys attended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megascale.config import ModelConfig
+from megascale.perf import collectives
+from megascale.perf.flops import attended_keys
+from megascale.perf.gemm import DeviceModel
+from megascale.perf.presets import Link
+
+# Backward costs two GEMMs (input-gradient, weight-gradient) per forward GEMM, and about twice
+# the forward's memory traffic in elementwise kernels (read the saved input and the incoming
+# gradient, write the outgoing gradient).
+BACKWARD_ELEMENTWISE_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Gemm:
+    m: float
+    n: float
+    k: float
+    batch: float = 1.0
+    flop_scale: float = 1.0
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.batch * self.flop_scale
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds for one layer and one micro-batch on one TP rank."""
+
+    fwd: float  # compute + exposed TP communication
+    bwd: float
+    fwd_tp_exposed: float
+    bwd_tp_exposed: float
+    tp_comm: float  # all TP communication (fwd + bwd), overlapped or not
+    fwd_flops: float  # GEMM FLOPs of the forward on this rank
+
+
+def layer_gemms(cfg: ModelConfig, tokens: int, batch: int, tp: int, parallel_block: bool) -> list[list[Gemm]]:
+    """The forward GEMMs of one layer on one TP rank, grouped by the TP collective they sit next to.
+
+    Groups: [column-parallel GEMMs after an all-gather], [attention core], [row-parallel GEMMs before
+    a reduce-scatter] (one set for attention and one for the MLP in the sequential block; fused in
+    the parallel block).
+    """
+    h, f, s = cfg.d_model, cfg.ffn_dim, cfg.seq_len
+    window = cfg.window if cfg.attention == "sliding" else None
+    frac = attended_keys(s, window) / s
+    heads = batch * cfg.n_heads / tp
+    qkv = Gemm(tokens, 3 * h / tp, h)
+    core = [Gemm(s, s, cfg.head_dim, heads, frac), Gemm(s, cfg.head_dim, s, heads, frac)]
+    proj = Gemm(tokens, h, h / tp)
+    n_in = 2 if cfg.style == "llama" else 1  # SwiGLU: gate and up
+    mlp_in = [Gemm(tokens, f / tp, h)] * n_in
+    mlp_out = Gemm(tokens, h, f / tp)
+    if parallel_block:
+        return [[qkv, *mlp_in], core, [proj, mlp_out]]
+    return [[qkv], core, [proj], mlp_in, [mlp_out]]
+
+
+def elementwise_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool, parallel_block: bool, bpe: int):
+    """Forward bytes moved and kernel count of the memory-bound ops of one layer on one TP rank.
+
+    LayerNorm: read + write h per token; residual add: read 2h, write h; activation: read + write the
+    ffn width (SwiGLU: read gate and up, write their product). h-wide ops are split by TP only with
+    sequence parallelism.
+    """
+    h, f = cfg.d_model, cfg.ffn_dim
+    hs = h / tp if sp else h
+    if parallel_block:
+        h_elems, kernels = 2 * hs + 4 * hs, 2  # one norm, one three-way residual add
+    else:
+        h_elems, kernels = 2 * (2 * hs) + 2 * (3 * hs), 4  # two norms, two residual adds
+    act = 3 * f / tp if cfg.style == "llama" else 2 * f / tp
+    return (h_elems + act) * tokens * bpe, kernels + 1
+
+
+def _overlap(comm: float, gemm: float, chunks: int) -> float:
+    """Exposed part of a collective chunked against a GEMM (time of the pair minus the GEMM)."""
+    return max(comm, gemm) + min(comm, gemm) / max(chunks, 1) - gemm
+
+
+def layer_cost(
+    cfg: ModelConfig,
+    dev: DeviceModel,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    tp_link: Link | None,
+    parallel_block: bool,
+    tp_overlap: bool,
+    recompute: bool,
+) -> LayerCost:
+    tokens = micro_batch * cfg.seq_len
+    groups = layer_gemms(cfg, tokens, micro_batch, tp, parallel_block)
+    bpe = dev.bytes_per_element
+
+    def fwd_t(g: Gemm) -> float:
+        return dev.gemm(g.m, g.n, g.k, g.batch, g.flop_scale)
+
+    def bwd_t(g: Gemm) -> float:  # dX = dY W^T and dW = X^T dY
+        return dev.gemm(g.m, g.k, g.n, g.batch, g.flop_scale) + dev.gemm(g.k, g.n, g.m, g.batch, g.flop_scale)
+
+    ew_bytes, ew_kernels = elementwise_bytes(cfg, tokens, tp, sp, parallel_block, bpe)
+    fwd = dev.elementwise(ew_bytes, ew_kernels)
+    bwd = dev.elementwise(BACKWARD_ELEMENTWISE_FACTOR * ew_bytes, 2 * ew_kernels)
+    fwd_exp = bwd_exp = fwd_comm = bwd_comm = 0.0
+    act_bytes = tokens * cfg.d_model * bpe  # one full activation of the layer
+    for i, group in enumerate(groups):
+        gf = sum(fwd_t(g) for g in group)
+        gb = sum(bwd_t(g) for g in group)
+        fwd += gf
+        bwd += gb
+        if tp == 1 or tp_link is None or i == 1:  # i == 1: the attention core needs no TP collective
+            continue
+        if sp:
+            c = collectives.all_gather(act_bytes, tp, tp_link)  # = reduce-scatter's cost
+            cf = cb = c
+        else:  # all-reduce after the row-parallel GEMM forward, after the column-parallel one backward
+            ar = collectives.all_reduce(act_bytes, tp, tp_link)
+            column = i == 0 or (not parallel_block and i == 3)
+            cf, cb = (0.0, ar) if column else (ar, 0.0)
+        fwd_comm += cf
+        bwd_comm += cb
+        if tp_overlap and sp:
+            fwd_exp += _overlap(cf, gf, tp)
+            bwd_exp += _overlap(cb, gb, tp)
+        else:
+            fwd_exp += cf
+            bwd_exp += cb
+    fwd_flops = sum(g.flops for group in groups for g in group)
+    if recompute:  # the backward first reruns the forward, collectives included
+        bwd += fwd
+        bwd_exp += fwd_exp
+        bwd_comm += fwd_comm
+    return LayerCost(fwd + fwd_exp, bwd + bwd_exp, fwd_exp, bwd_exp, fwd_comm + bwd_comm, fwd_flops)
+
+
+def head_cost(cfg: ModelConfig, dev: DeviceModel, micro_batch: int, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of final norm + vocab-parallel LM head + cross-entropy on one rank."""
+    tokens = micro_batch * cfg.seq_len
+    g = Gemm(tokens, cfg.vocab_size / tp, cfg.d_model)
+    bpe = dev.bytes_per_element
+    logits = tokens * cfg.vocab_size / tp * bpe
+    norm = 2 * tokens * cfg.d_model * bpe
+    fwd = dev.gemm(g.m, g.n, g.k) + dev.elementwise(3 * logits + norm, 4)  # max, exp-sum, log-prob
+    bwd = dev.gemm(g.m, g.k, g.n) + dev.gemm(g.k, g.n, g.m) + dev.elementwise(2 * logits + 2 * norm, 3)
+    return fwd, bwd
+
+
+def embedding_cost(cfg: ModelConfig, dev: DeviceModel, micro_batch: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the token (+ position) embedding: a gather and a scatter-add."""
+    n_bytes = micro_batch * cfg.seq_len * cfg.d_model * dev.bytes_per_element
+    pos = 2 if cfg.style == "gpt" else 1
+    return dev.elementwise(pos * 2 * n_bytes, pos), dev.elementwise(pos * 3 * n_bytes, pos)
