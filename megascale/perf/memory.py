@@ -44,7 +44,7 @@ def layer_params(cfg: ModelConfig) -> int:
     h, f = cfg.d_model, cfg.ffn_dim
     attn = 4 * h * h + (4 * h if cfg.bias else 0)
     if cfg.style == "llama":
-        mlp = 3 * h * f + ((2 * f + h) if cfg.bias else 0)
+        mlp = 3 * h * f  # SwiGLU has no biases in megascale.model, whatever cfg.bias says
     else:
         mlp = 2 * h * f + ((f + h) if cfg.bias else 0)
     return attn + mlp + 2 * norm_params(cfg)

@@ -1,0 +1,194 @@
+"""The planner's cost models: collectives, GEMM FLOPs, pipeline timeline, memory, presets."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from megascale.config import ModelConfig
+from megascale.errors import UserError
+from megascale.perf import collectives, compute, memory, pipeline
+from megascale.perf.calibrate import fit
+from megascale.perf.flops import forward_flops_per_token
+from megascale.perf.gemm import shape_efficiency
+from megascale.perf.presets import GemmCurve, Link, builtin_names, load_preset
+
+
+def small(**kw) -> ModelConfig:
+    base = dict(vocab_size=97, seq_len=32, n_layers=2, d_model=48, n_heads=4)
+    return ModelConfig(**{**base, **kw})
+
+
+# ---- collectives ------------------------------------------------------------------------
+
+
+def test_ring_collectives_alpha_beta():
+    link = Link(bandwidth=100.0, efficiency=0.5, latency_s=1.0)  # 50 bytes/s effective
+    assert collectives.all_gather(400.0, 4, link) == pytest.approx(3 * 1.0 + 0.75 * 400 / 50)
+    assert collectives.reduce_scatter(400.0, 4, link) == collectives.all_gather(400.0, 4, link)
+    assert collectives.all_reduce(400.0, 4, link) == pytest.approx(2 * (3 + 6))  # ring beats tree here
+    assert collectives.p2p(100.0, link) == pytest.approx(1.0 + 2.0)
+    assert collectives.all_gather(1e9, 1, link) == 0.0 and collectives.all_reduce(1e9, 1, link) == 0.0
+
+
+def test_all_reduce_uses_tree_for_small_messages_at_scale():
+    link = Link(bandwidth=1e9, latency_s=1e-5)
+    n = 4096
+    tree = 2 * math.ceil(math.log2(n)) * 1e-5 + 2 * 8 / 1e9
+    assert collectives.all_reduce(8, n, link) == pytest.approx(tree)
+
+
+def test_group_links_follow_nodes():
+    a100 = load_preset("a100", use_calibration=False)
+    assert collectives.group_link(a100, 1, 8) is a100.intra  # tp 8 inside a node
+    assert collectives.group_link(a100, 64, 2) is a100.inter  # dp across tp*pp = 64
+    assert collectives.hop_link(a100, 0, 8) is a100.inter
+    assert collectives.hop_link(a100, 0, 4) is a100.intra
+
+
+# ---- compute -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"style": "llama", "bias": False}, {"attention": "sliding", "window": 8}, {"block": "parallel"}],
+)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_layer_gemm_flops_match_flops_module(kw, tp):
+    cfg = small(**kw)
+    mb = 3
+    groups = compute.layer_gemms(cfg, mb * cfg.seq_len, mb, tp, cfg.block == "parallel")
+    per_rank = sum(g.flops for grp in groups for g in grp)
+    want = forward_flops_per_token(cfg).blocks / cfg.n_layers * mb * cfg.seq_len / tp
+    assert per_rank == pytest.approx(want, rel=1e-12)
+
+
+def test_gemm_curve_saturates():
+    c = GemmCurve(max_efficiency=0.8, half_dim=64.0)
+    assert shape_efficiency(c, 64, 1e9, 1e9) == pytest.approx(0.4, rel=1e-6)
+    assert shape_efficiency(c, 1e9, 1e9, 1e9) == pytest.approx(0.8, rel=1e-6)
+
+
+def test_calibration_fit_recovers_a_known_curve():
+    truth = GemmCurve(max_efficiency=0.7, half_dim=2 ** (20 / 4), overhead_s=1e-5)
+    peak = 1e11
+    pts = []
+    for m, n, k in [(64, 64, 64), (128, 512, 256), (2048, 256, 64), (1024, 1024, 1024), (4096, 384, 384)]:
+        t = truth.overhead_s + 2 * m * n * k / (peak * shape_efficiency(truth, m, n, k))
+        pts.append({"m": m, "n": n, "k": k, "seconds": t})
+    got = fit(pts, peak, truth.overhead_s)
+    assert got.half_dim == pytest.approx(truth.half_dim)
+    assert got.max_efficiency == pytest.approx(0.7, rel=1e-9)
+
+
+def test_tp_overlap_hides_communication_but_not_more_than_the_gemm():
+    cfg = small(d_model=1024, n_heads=8, seq_len=1024)
+    a100 = load_preset("a100", use_calibration=False)
+    from megascale.perf.gemm import DeviceModel
+
+    dev = DeviceModel.from_preset(a100, 2)
+    off = compute.layer_cost(cfg, dev, 1, 8, True, a100.intra, False, False, False)
+    on = compute.layer_cost(cfg, dev, 1, 8, True, a100.intra, False, True, False)
+    assert off.fwd_tp_exposed > on.fwd_tp_exposed > 0
+    assert off.tp_comm == pytest.approx(on.tp_comm)
+    par = compute.layer_cost(cfg, dev, 1, 8, True, a100.intra, True, False, False)
+    assert par.tp_comm == pytest.approx(off.tp_comm / 2)  # parallel block: one AG + one RS each way
+
+
+# ---- pipeline ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "p,v,m", [(1, 1, 5), (2, 1, 4), (4, 1, 8), (4, 1, 3), (4, 2, 8), (4, 3, 4), (8, 6, 16)]
+)
+def test_simulated_bubble_equals_closed_form_without_communication(p, v, m):
+    tf, tb = 1.0 / v, 2.0 / v
+    tl = pipeline.simulate(pipeline.PipelineSpec(p, v, m, [tf] * (p * v), [tb] * (p * v)))
+    bubble = (tl.makespan - max(tl.busy)) / tl.makespan
+    assert bubble == pytest.approx(pipeline.closed_form_bubble(p, v, m), abs=1e-12)
+    assert tl.makespan == pytest.approx((v * m + p - 1) * (tf + tb))
+
+
+def test_schedule_runs_every_op_once_and_bounds_memory():
+    p, v, m = 4, 2, 8
+    for r in range(p):
+        ops = pipeline.schedule(p, v, m, r)
+        assert sorted((o.kind, o.chunk, o.mb) for o in ops) == sorted(
+            (k, c, i) for k in "FB" for c in range(v) for i in range(m)
+        )
+    assert pipeline.max_inflight(pipeline.schedule(4, 1, 8, 0)) == 4  # 1F1B: the first stage holds p
+    assert pipeline.max_inflight(pipeline.schedule(4, 1, 8, 3)) == 1
+    with pytest.raises(UserError):
+        pipeline.schedule(4, 2, 6, 0)
+
+
+def test_blocking_p2p_costs_more_than_async_and_dp_overlap_hides_traffic():
+    p, v, m = 4, 2, 8
+    base = pipeline.PipelineSpec(p, v, m, [0.5] * 8, [1.0] * 8, p2p=[0.1] * p)
+    t_async = pipeline.simulate(base).makespan
+    t_block = pipeline.simulate(dataclasses.replace(base, async_p2p=False)).makespan
+    t_free = pipeline.simulate(dataclasses.replace(base, p2p=[0.0] * p)).makespan
+    assert t_free < t_async < t_block
+    dp = dataclasses.replace(base, dp_ag=[0.3, 0.3], dp_rs=[0.3, 0.3])
+    t_overlap = pipeline.simulate(dp).makespan
+    t_serial = pipeline.simulate(dataclasses.replace(dp, dp_overlap=False)).makespan
+    assert t_serial == pytest.approx(t_async + 1.2)  # all four collectives fully exposed
+    assert t_async <= t_overlap < t_serial
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0)
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"tie_embeddings": False}, {"style": "llama", "bias": False}, {"bias": False}]
+)
+def test_memory_matches_a_real_model_and_adamw(kw):
+    from megascale.model.gpt import GPT
+
+    cfg = small(**kw)
+    model = GPT(cfg)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    assert memory.total_params(cfg) == n
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    model(idx, idx).backward()
+    opt.step()
+    est = memory.estimate(cfg, 1, 1, 1, 2, 1, policy="fp32", act_bytes=4)
+    assert est.params == sum(p.numel() * p.element_size() for p in params)
+    assert est.grads == sum(p.grad.numel() * p.grad.element_size() for p in params)
+    assert est.optimizer == _state_bytes(opt)
+
+
+def test_memory_sharding_and_recompute():
+    cfg = small(n_layers=8)
+    full = memory.estimate(cfg, 2, 2, 4, 1, 2, policy="megatron")
+    busiest = max(memory.stage_params(cfg, 2, 2, s) for s in (0, 1))
+    assert full.optimizer == pytest.approx(busiest * 12 / 4)
+    assert full.activations_recompute < full.activations
+    assert memory.estimate(cfg, 2, 2, 4, 1, 2, recompute=True).total < full.total
+
+
+# ---- presets -----------------------------------------------------------------------------
+
+
+def test_builtin_presets_load_and_user_files_are_checked(tmp_path):
+    assert {"a100", "h100", "h800", "h200", "cpu"} <= set(builtin_names())
+    a100 = load_preset("a100", use_calibration=False)
+    assert a100.peak_flops == 312e12 and a100.devices_per_node == 8
+    assert a100.inter.bandwidth == 25e9  # 8 x 200 Gb/s NICs per 8 GPUs
+    assert load_preset("h800", use_calibration=False).intra.bandwidth < load_preset("h100").intra.bandwidth
+    text = (a100.source and open(a100.source).read()).replace('name = "a100"', 'name = "mine"')
+    mine = tmp_path / "mine.toml"
+    mine.write_text(text)
+    assert load_preset(str(mine), use_calibration=False).name == "mine"
+    mine.write_text(text.replace("memory_bw = 2.039e12", ""))
+    with pytest.raises(UserError, match="memory_bw"):
+        load_preset(str(mine))
+    with pytest.raises(UserError):
+        load_preset("no-such-cluster")
