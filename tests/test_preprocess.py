@@ -215,3 +215,11 @@ def test_cli_preprocess_and_tokenizer_train(tmp_path, capsys):
         _cli(["preprocess", "--input", str(corpus), "--output", str(out), "--workers", "0"])
     with pytest.raises(UserError, match="--input: .*missing does not exist"):
         _cli(["preprocess", "--input", str(tmp_path / "missing"), "--output", str(out), "--no-progress"])
+
+
+def test_package_exports_the_functions_not_the_submodules():
+    import megascale.data
+    from megascale.data import preprocess as exported
+
+    assert exported is preprocess and callable(megascale.data.preprocess)
+    assert all(hasattr(megascale.data, name) for name in megascale.data.__all__)

@@ -1,8 +1,9 @@
 """The data pipeline: tokenizers, preprocessing into an indexed binary dataset, train/val
 samples, and the resumable batch loader.
 
-Names are imported on first use (PEP 562), so `megascale preprocess` and preprocessing
-workers do not pay for importing torch, which only the loader needs.
+The torch-free parts are imported here directly. The sample and loader classes, which
+need torch, are imported on first use (PEP 562), so `megascale preprocess` and its worker
+processes start without paying for torch.
 """
 
 from __future__ import annotations
@@ -10,24 +11,32 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {
-    "Tokenizer": "tokenizer", "ByteTokenizer": "tokenizer", "HFTokenizer": "tokenizer",
-    "build_tokenizer": "tokenizer", "train_tokenizer": "tokenizer",
-    "preprocess": "preprocess", "PreprocessStats": "preprocess",
-    "IndexedDataset": "indexed",
+# Imported eagerly on purpose: `preprocess` is both a submodule and a function, and only an
+# import that runs here, before anything else loads the submodule, leaves the name bound to
+# the function.
+from megascale.data.ensure import ensure_dataset
+from megascale.data.indexed import IndexedDataset
+from megascale.data.preprocess import PreprocessStats, preprocess
+from megascale.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer, train_tokenizer
+
+_LAZY = {
     "split_documents": "dataset", "epoch_permutation": "dataset", "PackedSamples": "dataset",
-    "open_splits": "dataset",
-    "BatchLoader": "loader",
-    "ensure_dataset": "ensure",
+    "open_splits": "dataset", "BatchLoader": "loader",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BatchLoader", "ByteTokenizer", "HFTokenizer", "IndexedDataset", "PackedSamples", "PreprocessStats",
+    "Tokenizer", "build_tokenizer", "ensure_dataset", "epoch_permutation", "open_splits", "preprocess",
+    "split_documents", "train_tokenizer",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+    return sorted(set(globals()) | set(__all__))
