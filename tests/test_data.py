@@ -12,7 +12,7 @@ from megascale.data.dataset import PackedSamples, epoch_permutation, open_splits
 from megascale.data.ensure import ensure_dataset
 from megascale.data.indexed import IndexedDataset
 from megascale.data.loader import BatchLoader
-from megascale.data.preprocess import preprocess
+from megascale.data.preprocessing import preprocess
 from megascale.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,10 +8,10 @@ import struct
 import numpy as np
 import pytest
 
-import megascale.data.preprocess as pre
+import megascale.data.preprocessing as pre
 from megascale.data.cli import register
 from megascale.data.indexed import IndexedDataset
-from megascale.data.preprocess import preprocess
+from megascale.data.preprocessing import preprocess
 from megascale.data.tokenizer import ByteTokenizer, build_tokenizer
 from megascale.errors import UserError
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Imported eagerly on purpose: `preprocess` is both a submodule and a function, and only an
-# import that runs here, before anything else loads the submodule, leaves the name bound to
-# the function.
 from megascale.data.ensure import ensure_dataset
 from megascale.data.indexed import IndexedDataset
-from megascale.data.preprocess import PreprocessStats, preprocess
+from megascale.data.preprocessing import PreprocessStats, preprocess
 from megascale.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer, train_tokenizer
 
 _LAZY = {

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _preprocess(args: argparse.Namespace) -> int:
-    from megascale.data.preprocess import preprocess
+    from megascale.data.preprocessing import preprocess
 
     if args.workers < 1:
         raise UserError(f"--workers: must be >= 1, got {args.workers}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megascale.config import DataConfig
 from megascale.data.indexed import IndexedDataset, paths
-from megascale.data.preprocess import preprocess
+from megascale.data.preprocessing import preprocess
 from megascale.data.sources import expand_inputs
 from megascale.data.tokenizer import build_tokenizer, same_tokenizer
 from megascale.errors import UserError

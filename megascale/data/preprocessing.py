@@ -87,7 +87,9 @@ def preprocess(
         ):
             for ids, nbytes in results:
                 bar.update(nbytes)
-                if ids is None:
+                if ids is None:  # a blank JSONL line: not a document
+                    continue
+                if len(ids) == 0:  # an empty document: left out, but counted
                     skipped += 1
                     continue
                 out.write(ids.tobytes())
@@ -116,11 +118,12 @@ class _Encoder:
         self.dtype = token_dtype(self.tok.vocab_size)
 
     def __call__(self, batch: list[Task]) -> list[tuple[np.ndarray | None, int]]:
-        out = []
+        """Per task: EOS-terminated ids, an empty array for an empty document, None for a blank line."""
+        out: list[tuple[np.ndarray | None, int]] = []
         for task in batch:
             text = load_document(task)
             if not text:
-                out.append((None, task.nbytes))
+                out.append((None if text is None else np.zeros(0, self.dtype), task.nbytes))
                 continue
             ids = self.tok.encode_array(text)
             doc = np.empty(len(ids) + 1, dtype=self.dtype)  # cast here: smaller to send back
