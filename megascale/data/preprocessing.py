@@ -2,10 +2,10 @@
 
 Documents are read and tokenised by a pool of worker processes while the parent writes
 the results in input order, so the output is byte-for-byte the same whatever the number
-of workers. Work is sent in batches of about `BATCH_BYTES` of input, with at most a few
-batches per worker in flight: memory stays bounded on a corpus of any size (Pool.imap
-would read the whole input ahead), and a single-file corpus still spreads over workers
-only as far as it has documents.
+of workers. Work is sent in batches of about `BATCH_BYTES` of input with `apply_async`,
+at most a few batches per worker in flight, rather than with Pool.imap, whose feeder
+thread reads the whole input ahead of the workers: memory stays bounded on a corpus of
+any size.
 
 Workers are forked where the platform allows it: they start in milliseconds and need
 nothing re-imported, whereas a spawned worker re-imports the caller's main module (the
