@@ -30,8 +30,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        # (b, s, heads, 3, hd) -> three (b, heads, s, hd) views: no copy before the kernel.
-        q, k, v = self.qkv(x).view(b, s, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4).unbind(0)
+        # (b, s, heads, 3*hd) split into three (b, heads, s, hd) views: no copy before the kernel,
+        # and the backward of split is one cat straight into the qkv gradient's layout.
+        qkv = self.qkv(x).view(b, s, -1, 3 * self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split(self.head_dim, dim=-1))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         dropout = self.dropout if self.training else 0.0
