@@ -86,8 +86,10 @@ def ref_mlp(cfg, mlp, x):
 
 def ref_block(cfg, blk, x):
     if cfg.block == "parallel":
-        return x + ref_attention(cfg, blk.attn, ref_norm(cfg, blk.norm1, x)) + ref_mlp(
-            cfg, blk.mlp, ref_norm(cfg, blk.norm2, x)
+        return (
+            x
+            + ref_attention(cfg, blk.attn, ref_norm(cfg, blk.norm1, x))
+            + ref_mlp(cfg, blk.mlp, ref_norm(cfg, blk.norm2, x))
         )
     h = x + ref_attention(cfg, blk.attn, ref_norm(cfg, blk.norm1, x))
     return h + ref_mlp(cfg, blk.mlp, ref_norm(cfg, blk.norm2, h))
