@@ -8,6 +8,7 @@ stderr and exits with code 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from megascale.errors import UserError
@@ -25,9 +26,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     resume = True if args.resume else (False if args.no_resume else None)
     trainer = Trainer(cfg, resume=resume)
     result = trainer.fit()
-    print(f"done: {result['steps']} steps, train loss {result['train_loss']:.4f}, "
-          f"val loss {result['val_loss']:.4f}, {result['tokens_per_s']:,.0f} tok/s (median), "
-          f"MFU {100 * result['mfu']:.1f}%, {result['seconds']:.0f}s")
+    val = result["val_loss"]
+    val_text = f"val loss {val:.4f} (ppl {math.exp(val):.2f})" if math.isfinite(val) else "no validation"
+    print(f"done: {result['steps']} steps, train loss {result['train_loss']:.4f}, {val_text}, "
+          f"{result['tokens_per_s']:,.0f} tok/s (median), MFU {100 * result['mfu']:.1f}%, "
+          f"{result['seconds']:.0f}s")
     if result["interrupted"]:
         return 128 + result["stop_signal"]  # the shell convention for "stopped by a signal"
     if cfg.log.sample_tokens:
@@ -55,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="TOML config file (configs/*.toml)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--resume", action="store_true", help="resume; fail if the run directory has no checkpoint")
+    g.add_argument("--resume", action="store_true", help="resume; fail if there is no checkpoint")
     g.add_argument("--no-resume", action="store_true", help="start fresh even if a checkpoint exists")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
     p.set_defaults(func=_cmd_train)

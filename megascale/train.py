@@ -1,0 +1,345 @@
+"""The Trainer: builds everything from one config and runs the training loop.
+
+    cfg = load_config("configs/cpu_default.toml", ["train.steps=200"])
+    result = Trainer(cfg).fit()
+
+One optimizer step = `global_batch` sequences, run as `global_batch / micro_batch`
+forward/backward passes whose gradients accumulate. The loop logs loss, tokens/s and MFU,
+evaluates on the held-out split, checkpoints, and stops cleanly on Ctrl-C or SIGTERM (the
+step in flight finishes, a checkpoint is written, and `fit` returns). A run directory that
+already holds a checkpoint is resumed from it, and the resumed run is bit-for-bit the
+uninterrupted one: same losses, same data order, same random numbers.
+
+Everything that can be wrong with the user's input (config, data, tokenizer, checkpoint) is
+checked before the run directory is written to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from megascale.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from megascale.config import Config, ConfigError
+from megascale.data import BatchLoader, build_tokenizer, ensure_dataset, open_splits
+from megascale.errors import UserError
+from megascale.model import GPT
+from megascale.observe.metrics import MetricsLogger
+from megascale.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from megascale.perf.hardware import peak_flops
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_time: float
+    tokens_per_s: float
+    mfu: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device: cuda was asked for but no GPU is available")
+    return torch.device(name)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, resume: bool | None = None, quiet: bool = False):
+        self.cfg = cfg
+        self.quiet = quiet
+        t, m = cfg.train, cfg.model
+        self.device = resolve_device(t.device)
+        self.run_dir = Path(t.run_dir)
+
+        # --- inputs first: nothing is written to the run directory until they are known good
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        if m.vocab_size == 0:
+            m.vocab_size = self.tokenizer.vocab_size
+        elif m.vocab_size < self.tokenizer.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"({self.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})"
+            )
+        prefix = ensure_dataset(cfg.data, progress=cfg.log.progress and not quiet)
+        self.train_samples, self.val_samples = open_splits(prefix, cfg.data, m.seq_len)
+        if len(self.train_samples) < t.global_batch:
+            raise UserError(
+                f"data.path: {prefix} has {len(self.train_samples)} training samples of "
+                f"{m.seq_len + 1} tokens, fewer than one global batch ({t.global_batch})"
+            )
+        self.ckpt_path = self._find_checkpoint(resume)
+        self.ckpt = load_checkpoint(self.ckpt_path) if self.ckpt_path else None
+
+        # --- build: the same seed gives the same initial weights in every run
+        torch.manual_seed(t.seed)
+        self.model_dtype = torch.float64 if t.dtype == "fp64" else torch.float32
+        self.model = GPT(m).to(device=self.device, dtype=self.model_dtype)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed, prefetch=2)
+        self.step = 0
+        if self.ckpt is not None:
+            self._restore(self.ckpt)
+        self._forward = torch.compile(self.model) if t.compile else self.model
+
+        self.n_micro = t.global_batch // t.micro_batch
+        self.tokens_per_step = t.global_batch * m.seq_len
+        self.flops_per_token = self.model.flops_per_token(training=True)
+        self.peak = peak_flops(self.device.type if self.device.type == "cpu" else _gpu_name(),
+                               "fp64" if t.dtype == "fp64" else t.dtype)
+        self._stop_signal: int | None = None
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _find_checkpoint(self, resume: bool | None) -> Path | None:
+        found = latest_checkpoint(self.run_dir)
+        if resume is True and found is None:
+            raise UserError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}")
+        if resume is False or (resume is None and not self.cfg.checkpoint.resume):
+            return None
+        return found
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()
+            detail = first[1].strip() if len(first) > 1 else first[0]
+            raise UserError(
+                f"checkpoint {self.ckpt_path}: does not match the model config ({detail})"
+            ) from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        self.step = state["step"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "loader": self.loader.state_dict(),
+            "rng": rng_state(),
+            "config": self.cfg.to_dict(),
+        }
+
+    def save(self) -> Path:
+        return save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=self.cfg.checkpoint.keep)
+
+    def _autocast(self):
+        if self.cfg.train.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ the loop
+
+    def train_step(self) -> StepStats:
+        """One optimizer step: accumulate gradients over the micro-batches, clip, update."""
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.optim, cfg.train.steps)
+        set_lr(self.optimizer, lr)
+        x, y = self.loader.next_batch()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        mb = cfg.train.micro_batch
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        self.model.train()
+        for i in range(self.n_micro):
+            xs, ys = x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
+            with self._autocast():
+                loss = self._forward(xs, ys)
+            (loss / self.n_micro).backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # a non-finite gradient would poison the weights: skip the update, keep going, say so
+            self._log_print(f"step {self.step + 1}: non-finite gradient norm, update skipped")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        loss_value = (loss_sum / self.n_micro).item()  # .item() syncs: the step time below is real
+        dt = time.perf_counter() - t0
+        tps = self.tokens_per_step / dt
+        return StepStats(self.step, loss_value, lr, float(grad_norm), dt, tps,
+                         tps * self.flops_per_token / self.peak)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first `eval_batches` validation micro-batches (a fixed set)."""
+        self.model.eval()
+        mb, n = self.cfg.train.micro_batch, len(self.val_samples)
+        batches = min(self.cfg.train.eval_batches, n // mb)
+        if batches == 0:
+            return float("nan")
+        total = 0.0
+        for b in range(batches):
+            seqs = self.val_samples.batch(range(b * mb, (b + 1) * mb))
+            x, y = seqs[:, :-1].to(self.device), seqs[:, 1:].to(self.device)
+            with self._autocast():
+                total += self.model(x, y).item()
+        self.model.train()
+        return total / batches
+
+    def fit(self, max_steps: int | None = None) -> dict[str, Any]:
+        """Train to `train.steps` (or for at most `max_steps` more steps in this call), then save."""
+        cfg, t = self.cfg, self.cfg.train
+        end = t.steps if max_steps is None else min(t.steps, self.step + max_steps)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _write_atomic(self.run_dir / "config.toml", cfg.to_toml())
+        logger = MetricsLogger(self.run_dir, cfg.log.jsonl, cfg.log.tensorboard,
+                               resume_step=self.step if self.ckpt is not None else None)
+        start_step = self.step
+        self._banner(start_step)
+        old_handlers = self._install_signal_handlers()
+        bar = self._progress_bar(start_step)
+        times, losses, last_val = [], [], float("nan")
+        t_start = time.perf_counter()
+        try:
+            while self.step < end:
+                s = self.train_step()
+                times.append(s.step_time)
+                losses.append(s.loss)
+                rec = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
+                       "step_time": s.step_time, "tokens_per_s": s.tokens_per_s, "mfu": s.mfu,
+                       "tokens": s.step * self.tokens_per_step}
+                logger.log("train", rec)
+                self._show(bar, s)
+                if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.steps):
+                    last_val = self.evaluate()
+                    logger.log("val", {"step": s.step, "loss": last_val, "ppl": _ppl(last_val)})
+                    self._log_print(f"step {s.step}: val loss {last_val:.4f}, ppl {_ppl(last_val):.2f}", bar)
+                if cfg.checkpoint.interval and s.step % cfg.checkpoint.interval == 0 and s.step < end:
+                    self.save()
+                if self._stop_signal is not None:
+                    break
+            interrupted = self._stop_signal is not None
+            if self.step > start_step or interrupted:
+                path = self.save()
+                if interrupted:
+                    self._log_print(f"stopped by {signal.Signals(self._stop_signal).name} after step "
+                                    f"{self.step}; checkpoint {path}; run the same command to resume", bar)
+        finally:
+            if bar is not None:
+                bar.close()
+            logger.close()
+            self.loader.close()
+            self._restore_signal_handlers(old_handlers)
+        seconds = time.perf_counter() - t_start
+        med = float(np.median(times)) if times else float("nan")
+        result = {
+            "steps": self.step, "steps_run": self.step - start_step, "seconds": seconds,
+            "tokens": self.step * self.tokens_per_step,
+            "train_loss": losses[-1] if losses else float("nan"),
+            "val_loss": last_val, "losses": losses,
+            "median_step_time": med,
+            "tokens_per_s": self.tokens_per_step / med if times else float("nan"),
+            "mfu": self.tokens_per_step / med * self.flops_per_token / self.peak if times else float("nan"),
+            "interrupted": self._stop_signal is not None,
+            "stop_signal": self._stop_signal,
+        }
+        return result
+
+    # ------------------------------------------------------------------ output
+
+    def _banner(self, start_step: int) -> None:
+        if self.quiet:
+            return
+        m, t = self.cfg.model, self.cfg.train
+        n = self.model.num_params()
+        where = f"resumed from {self.ckpt_path} at step {start_step}" if self.ckpt else "fresh start"
+        print(f"megascale: {n / 1e6:.2f}M parameters ({m.style} style, {m.block} block, {m.attention} "
+              f"attention), {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, seq {m.seq_len}")
+        print(f"  data: {len(self.train_samples)} train / {len(self.val_samples)} val samples; "
+              f"batch {t.global_batch} = {self.n_micro} x {t.micro_batch}; {t.dtype} on {self.device}; "
+              f"peak {self.peak / 1e9:.0f} GFLOP/s; {where}")
+        print(f"  unigram baseline: {unigram_entropy(self.train_samples, m.vocab_size):.3f} nats/token "
+              f"(a model that learned nothing but token frequencies)")
+
+    def _progress_bar(self, start_step: int):
+        if self.quiet or not self.cfg.log.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def _show(self, bar, s: StepStats) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"loss {s.loss:.4f} | {s.tokens_per_s:,.0f} tok/s | MFU {100 * s.mfu:.1f}%")
+        elif not self.quiet and self.cfg.train.log_interval and s.step % self.cfg.train.log_interval == 0:
+            eta = (self.cfg.train.steps - s.step) * s.step_time
+            print(f"step {s.step}/{self.cfg.train.steps} | loss {s.loss:.4f} | lr {s.lr:.2e} | "
+                  f"{s.tokens_per_s:,.0f} tok/s | MFU {100 * s.mfu:.1f}% | ETA {eta:.0f}s", flush=True)
+
+    def _log_print(self, msg: str, bar=None) -> None:
+        if self.quiet:
+            return
+        if bar is not None:
+            bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    # ------------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self):
+        def handler(signum, frame):
+            if self._stop_signal is not None:  # a second Ctrl-C: the user means it
+                raise KeyboardInterrupt
+            self._stop_signal = signum
+
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return old
+
+    @staticmethod
+    def _restore_signal_handlers(old) -> None:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def unigram_entropy(samples, vocab_size: int, max_samples: int = 2000) -> float:
+    """Entropy (nats) of the token distribution: the loss of a model that knows only frequencies."""
+    n = min(len(samples), max_samples)
+    stride = max(1, len(samples) // n)
+    tokens = samples.batch(range(0, stride * n, stride)).numpy().ravel()
+    counts = np.bincount(tokens, minlength=vocab_size)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(loss) if loss < 50 else float("inf")
+
+
+def _gpu_name() -> str:
+    return torch.cuda.get_device_name()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
