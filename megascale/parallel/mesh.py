@@ -1,0 +1,160 @@
+"""The (dp, pp, tp) mesh: a rank's coordinates and its process groups, built once.
+
+Ranks are laid out as picotron's `arange(world).view(dp, pp, tp)`: tensor-parallel ranks
+are adjacent (tp is the fastest-varying coordinate), so a tp group lives inside one
+machine where its per-layer collectives can use NVLink, then pipeline stages, then
+data-parallel replicas, which talk least often.
+
+One `Mesh` is built per process and passed explicitly to whatever needs a group; there are
+no module-level process groups. The coordinate maths is pure (`coordinates`,
+`group_ranks`) so it is tested, and used by planners, without any processes.
+
+A dimension of size 1 gets no process group (None): every collective in megascale checks
+the size first and does nothing, because None means the *world* group to torch.distributed.
+A world of one therefore needs no `torch.distributed` at all and costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megascale.config import ParallelConfig
+from megascale.errors import UserError
+
+DIMS = ("dp", "pp", "tp")
+
+
+def rank_grid(dp: int, pp: int, tp: int) -> torch.Tensor:
+    """The global rank at each (dp, pp, tp) coordinate."""
+    return torch.arange(dp * pp * tp).view(dp, pp, tp)
+
+
+def coordinates(rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
+    """(dp_rank, pp_rank, tp_rank) of a global rank: tp varies fastest, dp slowest."""
+    if not 0 <= rank < dp * pp * tp:
+        raise ValueError(f"rank {rank} is outside a mesh of {dp * pp * tp} ranks")
+    return rank // (pp * tp), (rank // tp) % pp, rank % tp
+
+
+def group_ranks(dp: int, pp: int, tp: int, kind: str) -> list[list[int]]:
+    """Every group of one kind, as lists of global ranks, in the order all ranks create them.
+
+    kind: "tp", "pp", "dp", or "mp" (model parallel: the tp x pp ranks of one data-parallel
+    replica, which together hold one copy of the model, the group a global grad norm sums over).
+    """
+    g = rank_grid(dp, pp, tp)
+    if kind == "tp":
+        groups = g.reshape(-1, tp)
+    elif kind == "pp":
+        groups = g.permute(0, 2, 1).reshape(-1, pp)
+    elif kind == "dp":
+        groups = g.permute(1, 2, 0).reshape(-1, dp)
+    elif kind == "mp":
+        groups = g.reshape(dp, pp * tp)
+    else:
+        raise ValueError(f"group kind must be tp, pp, dp or mp, got {kind!r}")
+    return groups.tolist()
+
+
+def check_world_size(cfg: ParallelConfig, world_size: int) -> None:
+    if cfg.world_size != world_size:
+        raise UserError(
+            f"parallel.tp * parallel.pp * parallel.dp = {cfg.tp} * {cfg.pp} * {cfg.dp} = {cfg.world_size} "
+            f"must equal the number of processes, {world_size}"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Mesh:
+    """This rank's place in the (dp, pp, tp) grid and its groups (None where a size is 1)."""
+
+    dp: int
+    pp: int
+    tp: int
+    rank: int
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    mp_group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def build(cls, cfg: ParallelConfig) -> Mesh:
+        """The mesh of this process. Every rank must call it, in the same order as the others.
+
+        With cfg.world_size == 1 torch.distributed is not needed; otherwise it must already be
+        initialised (by the launcher) with a world of exactly tp * pp * dp processes.
+        """
+        if cfg.world_size == 1 and not dist.is_initialized():
+            return cls(1, 1, 1, 0)
+        if not dist.is_initialized():
+            check_world_size(cfg, 1)  # raises: a multi-rank layout on a single process
+        check_world_size(cfg, dist.get_world_size())
+        rank = dist.get_rank()
+        groups = {kind: _new_groups(cfg, kind, rank) for kind in ("tp", "pp", "dp", "mp")}
+        return cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in ("tp", "pp", "dp", "mp")))
+
+    # ---- coordinates
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def coords(self) -> tuple[int, int, int]:
+        return coordinates(self.rank, self.dp, self.pp, self.tp)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords[2]
+
+    def rank_at(self, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    # ---- pipeline neighbours
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def pp_next_rank(self) -> int:
+        """Global rank of the next stage (wrapping around: interleaved schedules send last -> first)."""
+        d, p, t = self.coords
+        return self.rank_at(d, (p + 1) % self.pp, t)
+
+    @property
+    def pp_prev_rank(self) -> int:
+        d, p, t = self.coords
+        return self.rank_at(d, (p - 1) % self.pp, t)
+
+    def __repr__(self) -> str:
+        d, p, t = self.coords
+        return f"Mesh(rank={self.rank}, dp={d}/{self.dp}, pp={p}/{self.pp}, tp={t}/{self.tp})"
+
+
+def _new_groups(cfg: ParallelConfig, kind: str, rank: int) -> dist.ProcessGroup | None:
+    """Create every group of a kind (all ranks must take part in each new_group) and keep ours."""
+    all_groups = group_ranks(cfg.dp, cfg.pp, cfg.tp, kind)
+    if len(all_groups[0]) == 1:
+        return None
+    mine = None
+    for ranks in all_groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine

@@ -1,0 +1,88 @@
+"""Run functions on N gloo processes that are spawned once and reused (one pool per test module).
+
+Spawning a process and importing torch costs seconds on a shared 2-core machine, so a test
+module starts its pool once (a module-scoped fixture) and every test sends it work:
+`pool.run(fn, *args)` calls fn(rank, *args) on every rank and returns the results in rank
+order. fn must be a module-level (picklable) function. If a rank raises, the pool is
+closed (the others may be stuck in a collective) and the traceback is raised here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import queue
+import socket
+import traceback
+
+import torch
+
+TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the machine has 2 cores for everyone
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    try:
+        while (task := tasks.get()) is not None:
+            fn, args = task
+            try:
+                results.put((rank, True, fn(rank, *args)))
+            except BaseException:
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world, port = world, _free_port()
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args) -> list:
+        if self.procs is None:
+            raise RuntimeError("the worker pool was closed after an earlier failure")
+        for q in self.tasks:
+            q.put((fn, args))
+        out: dict[int, object] = {}
+        while len(out) < self.world:
+            try:
+                rank, ok, value = self.results.get(timeout=TIMEOUT_S)
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"{fn.__name__}: no answer from the workers in {TIMEOUT_S}s") from None
+            if not ok:
+                self.close(force=True)
+                raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+            out[rank] = value
+        return [out[r] for r in range(self.world)]
+
+    def close(self, force: bool = False) -> None:
+        if self.procs is None:
+            return
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if force else 30)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+        self.procs = None
