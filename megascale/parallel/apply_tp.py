@@ -1,0 +1,159 @@
+"""Apply tensor (+ sequence) parallelism to the one GPT, from outside it.
+
+Two steps, torchtitan style:
+
+1. `TPLayerFactory` is handed to `GPT(cfg, factory)`: every layer the model asks for by role
+   comes back parallel ("column" -> ColumnParallelLinear, "row" -> RowParallelLinear,
+   "head" -> vocab-padded ColumnParallelLinear, "vocab" -> VocabParallelEmbedding,
+   "position" -> replicated, sliced per rank under SP).
+2. `parallelize(model, factory)` finishes what construction cannot: it zeroes the vocab
+   padding (the model's init draws every row), marks replicated parameters whose gradient
+   each rank holds only in part, and, for parallel blocks that expose the `branch_in` /
+   `branch_out` regions, moves the collectives of attention and MLP into ONE all-gather
+   (or copy) of their common input and ONE reduce-scatter (or all-reduce) of their summed
+   output, as MegaScale does to take collectives off the critical path.
+
+Sequence parallelism (Korthikanti et al. 2022): between blocks each rank holds 1/tp of the
+sequence, so norms, dropout and the residual stream cost 1/tp of the memory. Column layers
+all-gather the sequence on entry and row layers reduce-scatter it on exit: the same bytes as
+plain TP's all-reduce (all-reduce = reduce-scatter + all-gather), in a different place.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from megascale.config import ConfigError, ModelConfig
+from megascale.model.factory import EMBEDDING_STYLES, LINEAR_STYLES, LayerFactory
+from megascale.parallel import comm
+from megascale.parallel.mesh import Mesh
+from megascale.parallel.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelPositions,
+    VocabParallelEmbedding,
+    mark,
+    zero_padding,
+)
+from megascale.parallel.tp_loss import vocab_parallel_cross_entropy
+
+
+def check_tp(cfg: ModelConfig, mesh: Mesh, sequence_parallel: bool) -> None:
+    """The model shapes tensor parallelism needs, as ConfigErrors naming the fields."""
+    tp = mesh.tp
+    if cfg.n_heads % tp:
+        raise ConfigError(
+            f"parallel.tp: {tp} ranks do not split model.n_heads={cfg.n_heads} into whole heads"
+        )
+    if cfg.ffn_dim % tp:
+        raise ConfigError(f"parallel.tp: {tp} ranks do not split the MLP width {cfg.ffn_dim} (model.d_ff)")
+    if sequence_parallel and cfg.seq_len % tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel: model.seq_len={cfg.seq_len} does not split over parallel.tp={tp}"
+        )
+
+
+class TPLayerFactory(LayerFactory):
+    """Builds the tensor-parallel layers for one mesh; the model never learns its rank."""
+
+    def __init__(self, mesh: Mesh, sequence_parallel: bool = False):
+        self.mesh = mesh
+        self.sequence_parallel = sequence_parallel and mesh.tp > 1
+
+    def linear(self, in_features: int, out_features: int, bias: bool, style: str) -> nn.Module:
+        if style not in LINEAR_STYLES:
+            raise ValueError(f"linear style must be one of {LINEAR_STYLES}, got {style!r}")
+        if style == "row":
+            mode = "reduce_scatter_seq" if self.sequence_parallel else "reduce"
+            return RowParallelLinear(in_features, out_features, bias, self.mesh, output_mode=mode)
+        mode = "gather_seq" if self.sequence_parallel else "copy"
+        return ColumnParallelLinear(in_features, out_features, bias, self.mesh, input_mode=mode,
+                                    pad=style == "head")
+
+    def embedding(self, num_embeddings: int, dim: int, style: str = "vocab") -> nn.Module:
+        if style not in EMBEDDING_STYLES:
+            raise ValueError(f"embedding style must be one of {EMBEDDING_STYLES}, got {style!r}")
+        if style == "vocab":
+            sp = self.sequence_parallel
+            return VocabParallelEmbedding(num_embeddings, dim, self.mesh, sequence_parallel=sp)
+        if self.sequence_parallel:
+            return SequenceParallelPositions(num_embeddings, dim, self.mesh)
+        return nn.Embedding(num_embeddings, dim)
+
+    def cross_entropy(self, vocab_size: int, ignore_index: int = -1):
+        """The loss over the head's vocab-parallel logits: (tokens, V/tp), (tokens,) -> mean."""
+
+        def loss(logits: Tensor, targets: Tensor) -> Tensor:
+            return vocab_parallel_cross_entropy(logits, targets, self.mesh, vocab_size, ignore_index)
+
+        return loss
+
+
+class BranchIn(nn.Module):
+    """Entry of a region shared by several column layers: one all-gather (SP) or one copy."""
+
+    def __init__(self, mesh: Mesh, sequence_parallel: bool):
+        super().__init__()
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        return comm.gather_seq(x, self.mesh) if self.sequence_parallel else comm.copy_to_tp(x, self.mesh)
+
+
+class BranchOut(nn.Module):
+    """Exit of a region whose row layers' partial sums were added: one reduce-scatter or all-reduce."""
+
+    def __init__(self, mesh: Mesh, sequence_parallel: bool):
+        super().__init__()
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+
+    def forward(self, y: Tensor) -> Tensor:
+        if self.sequence_parallel:
+            return comm.reduce_scatter_seq(y, self.mesh)
+        return comm.reduce_from_tp(y, self.mesh)
+
+
+def parallelize(model: nn.Module, factory: TPLayerFactory, fuse_parallel_block: bool = True) -> nn.Module:
+    """Finish a GPT built with `factory` (see the module docstring); returns the model."""
+    mesh, sp = factory.mesh, factory.sequence_parallel
+    check_tp(model.cfg, mesh, sp)
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+            zero_padding(m.weight, 0, m.weight.tp_full_size, mesh)
+    for p in model.parameters():
+        if not hasattr(p, "tp_split_dim"):  # replicated: partial gradients only on SP's sequence slices
+            mark(p, None, p.shape[0] if p.ndim else 1, partial_grad=sp)
+    if fuse_parallel_block and mesh.tp > 1:
+        for block in getattr(model, "blocks", ()):
+            if getattr(block, "parallel", False) and hasattr(block, "branch_in"):
+                fuse_branches(block, mesh, sp)
+    return model
+
+
+def fuse_branches(block: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:
+    """One collective in, one out, for the parallel block  y = x + out(Attn(N1 h) + MLP(N2 h)), h = in(x).
+
+    The column layers then take their input as is and the row layers return partial sums.
+    The norms run on the gathered (or copied) input and only see the gradient of this rank's
+    heads / MLP slice, so their gradients are partial and summed over tp.
+    """
+    block.branch_in = BranchIn(mesh, sequence_parallel)
+    block.branch_out = BranchOut(mesh, sequence_parallel)
+    for m in block.modules():
+        if isinstance(m, ColumnParallelLinear):
+            m.input_mode = "none"
+        elif isinstance(m, RowParallelLinear):
+            m.output_mode = "none"
+    for norm in (block.norm1, block.norm2):
+        for p in norm.parameters():
+            p.tp_partial_grad = True
+
+
+def tp_loss(model: nn.Module, factory: TPLayerFactory, idx: Tensor, targets: Tensor) -> Tensor:
+    """The GPT's training loss under TP: body, vocab-parallel head, vocab-parallel cross-entropy.
+
+    What GPT.forward(idx, targets) does, with the loss taken from the factory; it becomes
+    GPT.forward itself once the model asks its factory for the loss (see the report).
+    """
+    logits = model.head(model.body(idx))
+    return factory.cross_entropy(model.cfg.vocab_size)(logits.flatten(0, 1), targets.flatten())

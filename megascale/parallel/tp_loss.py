@@ -1,0 +1,75 @@
+"""Cross-entropy over vocab-parallel logits, without ever gathering them (Megatron-LM).
+
+Each tp rank holds logits for vocab ids [start, start + V_local). The softmax needs three
+numbers per token that are sums or maxima over the whole vocab, and only those cross the
+wire: the max (for stability), then sum(exp) and the target's logit together in one
+all-reduce. Memory and traffic per rank are O(tokens * V/tp), not O(tokens * V).
+
+The vocab is padded up to a multiple of tp; the padded columns are set to -inf before the
+softmax, so they get probability 0 and gradient 0 and the loss equals the unpadded one.
+
+The backward is written out: d loss / d logit = (softmax - onehot(target)) / n_valid,
+from the softmax kept by the forward (as Megatron does, instead of autograd's graph
+through the collectives).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megascale.parallel.mesh import Mesh
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, mesh: Mesh, vocab_size: int, ignore_index: int):
+        n_local = logits.shape[-1]
+        ctx.logits_dtype = logits.dtype
+        start = mesh.tp_rank * n_local
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits: fp32 softmax
+        logits = logits.to(compute_dtype, copy=True)
+        if start + n_local > vocab_size:  # this rank holds padding: out of the softmax
+            logits[:, max(0, vocab_size - start) :] = float("-inf")
+
+        maxes = logits.max(dim=-1).values
+        if mesh.tp > 1:
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=mesh.tp_group)
+        logits -= maxes.unsqueeze(-1)
+
+        valid = target != ignore_index
+        local = target - start
+        mine = valid & (local >= 0) & (local < n_local)
+        local = local.masked_fill(~mine, 0)
+        target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+
+        probs = logits.exp_()  # logits is our own copy: exp in place, kept for the backward
+        sums = torch.stack((probs.sum(dim=-1), target_logit))
+        if mesh.tp > 1:
+            dist.all_reduce(sums, group=mesh.tp_group)
+        sum_exp, target_logit = sums
+        probs /= sum_exp.unsqueeze(-1)
+
+        count = valid.sum().clamp(min=1)
+        loss = ((sum_exp.log() - target_logit) * valid).sum() / count
+        ctx.save_for_backward(probs, local, mine, valid, count)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        probs, local, mine, valid, count = ctx.saved_tensors
+        grad = probs  # reused in place: the forward's softmax is not needed again
+        grad.scatter_add_(-1, local.unsqueeze(-1), -mine.to(grad.dtype).unsqueeze(-1))
+        grad *= (valid.to(grad.dtype) * (grad_loss / count)).unsqueeze(-1)
+        return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor, target: Tensor, mesh: Mesh, vocab_size: int, ignore_index: int = -1
+) -> Tensor:
+    """Mean cross-entropy of (tokens, V_local) logits against (tokens,) ids; ids == ignore_index skip."""
+    if logits.ndim != 2 or target.shape != logits.shape[:1]:
+        raise ValueError(f"expected logits (n, V/tp) and target (n,), got {tuple(logits.shape)}, "
+                         f"{tuple(target.shape)}")
+    return _VocabParallelCrossEntropy.apply(logits, target, mesh, vocab_size, ignore_index)
