@@ -58,12 +58,19 @@ class LayerCost:
     fwd_flops: float  # GEMM FLOPs of the forward on this rank
 
 
-def layer_gemms(cfg: ModelConfig, tokens: int, batch: int, tp: int, parallel_block: bool) -> list[list[Gemm]]:
+def layer_gemms(
+    cfg: ModelConfig, tokens: int, batch: int, tp: int, parallel_block: bool, sliding_kernel: str = "flex"
+) -> list[list[Gemm]]:
     """The forward GEMMs of one layer on one TP rank, grouped by the TP collective they sit next to.
 
     Groups: [column-parallel GEMMs after an all-gather], [attention core], [row-parallel GEMMs before
     a reduce-scatter] (one set for attention and one for the MLP in the sequential block; fused in
     the parallel block).
+
+    The attention core is costed as the kernel runs it: a flash/flex kernel skips masked blocks
+    (FLOPs scaled by the fraction of keys attended), while the "banded" sliding-window kernel
+    multiplies each block of `window` queries with 2 x window keys, masked, so it executes more
+    FLOPs than the model needs (MFU still counts only the model's).
     """
     h, f, s = cfg.d_model, cfg.ffn_dim, cfg.seq_len
     window = cfg.window if cfg.attention == "sliding" else None
@@ -71,6 +78,12 @@ def layer_gemms(cfg: ModelConfig, tokens: int, batch: int, tp: int, parallel_blo
     heads = batch * cfg.n_heads / tp
     qkv = Gemm(tokens, 3 * h / tp, h)
     core = [Gemm(s, s, cfg.head_dim, heads, frac), Gemm(s, cfg.head_dim, s, heads, frac)]
+    if window is not None and sliding_kernel == "banded":
+        blocks = heads * -(-s // window)
+        core = [
+            Gemm(window, 2 * window, cfg.head_dim, blocks),
+            Gemm(window, cfg.head_dim, 2 * window, blocks),
+        ]
     proj = Gemm(tokens, h, h / tp)
     n_in = 2 if cfg.style == "llama" else 1  # SwiGLU: gate and up
     mlp_in = [Gemm(tokens, f / tp, h)] * n_in
@@ -80,21 +93,40 @@ def layer_gemms(cfg: ModelConfig, tokens: int, batch: int, tp: int, parallel_blo
     return [[qkv], core, [proj], mlp_in, [mlp_out]]
 
 
-def elementwise_bytes(cfg: ModelConfig, tokens: int, tp: int, sp: bool, parallel_block: bool, bpe: int):
+def elementwise_bytes(
+    cfg: ModelConfig,
+    tokens: int,
+    tp: int,
+    sp: bool,
+    parallel_block: bool,
+    bpe: int,
+    sliding_kernel: str = "flex",
+) -> tuple[float, int]:
     """Forward bytes moved and kernel count of the memory-bound ops of one layer on one TP rank.
 
-    LayerNorm: read + write h per token; residual add: read 2h, write h; activation: read + write the
-    ffn width (SwiGLU: read gate and up, write their product). h-wide ops are split by TP only with
-    sequence parallelism.
+    Per token, in elements: a norm reads and writes h; a residual add reads 2h, writes h; GeLU
+    reads and writes the ffn width f; SwiGLU's silu(gate) * up reads/writes 5f (silu r+w 2f, mul
+    r 2f w f). Rotary (Llama) rotates q and k in eager ops (4 muls, an add, a sub and a cat over
+    half-widths): ~9 elements per element of q and of k. The banded sliding-window kernel
+    materialises its masked scores (heads x 2 window per query): written, masked, softmaxed and
+    read, ~4 passes. h-wide ops are split by TP only with sequence parallelism.
     """
     h, f = cfg.d_model, cfg.ffn_dim
     hs = h / tp if sp else h
     if parallel_block:
-        h_elems, kernels = 2 * hs + 4 * hs, 2  # one norm, one three-way residual add
+        elems, kernels = 2 * hs + 4 * hs, 2  # one norm, one three-way residual add
     else:
-        h_elems, kernels = 2 * (2 * hs) + 2 * (3 * hs), 4  # two norms, two residual adds
-    act = 3 * f / tp if cfg.style == "llama" else 2 * f / tp
-    return (h_elems + act) * tokens * bpe, kernels + 1
+        elems, kernels = 2 * (2 * hs) + 2 * (3 * hs), 4  # two norms, two residual adds
+    if cfg.style == "llama":
+        elems += 5 * f / tp + 9 * 2 * h / tp
+        kernels += 2 + 2 * 7
+    else:
+        elems += 2 * f / tp
+        kernels += 1
+    if cfg.attention == "sliding" and sliding_kernel == "banded":
+        elems += 4 * cfg.n_heads / tp * 2 * cfg.window
+        kernels += 4
+    return elems * tokens * bpe, kernels
 
 
 def _overlap(comm: float, gemm: float, chunks: int) -> float:
@@ -112,9 +144,10 @@ def layer_cost(
     parallel_block: bool,
     tp_overlap: bool,
     recompute: bool,
+    sliding_kernel: str = "flex",
 ) -> LayerCost:
     tokens = micro_batch * cfg.seq_len
-    groups = layer_gemms(cfg, tokens, micro_batch, tp, parallel_block)
+    groups = layer_gemms(cfg, tokens, micro_batch, tp, parallel_block, sliding_kernel)
     bpe = dev.bytes_per_element
 
     def fwd_t(g: Gemm) -> float:
@@ -123,7 +156,7 @@ def layer_cost(
     def bwd_t(g: Gemm) -> float:  # dX = dY W^T and dW = X^T dY
         return dev.gemm(g.m, g.k, g.n, g.batch, g.flop_scale) + dev.gemm(g.k, g.n, g.m, g.batch, g.flop_scale)
 
-    ew_bytes, ew_kernels = elementwise_bytes(cfg, tokens, tp, sp, parallel_block, bpe)
+    ew_bytes, ew_kernels = elementwise_bytes(cfg, tokens, tp, sp, parallel_block, bpe, sliding_kernel)
     fwd = dev.elementwise(ew_bytes, ew_kernels)
     bwd = dev.elementwise(BACKWARD_ELEMENTWISE_FACTOR * ew_bytes, 2 * ew_kernels)
     fwd_exp = bwd_exp = fwd_comm = bwd_comm = 0.0

@@ -97,8 +97,13 @@ def _write_cache(key: str, value: float) -> None:
 
 
 def _torch_dtype(torch, dtype: str):
-    table = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
-             "fp16": torch.float16, "fp64": torch.float64}
+    table = {
+        "fp32": torch.float32,
+        "tf32": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+        "fp64": torch.float64,
+    }
     if dtype not in table:
         raise UserError(f"dtype {dtype!r}: unknown (known: {', '.join(DTYPES)})")
     return table[dtype]
@@ -116,18 +121,21 @@ def _time_matmul(torch, n: int, dt, runs: int) -> list[float]:
     return times
 
 
-def measure_cpu_peak(dtype: str = "fp32", n: int = 2048, use_cache: bool = True) -> float:
+def measure_cpu_peak(
+    dtype: str = "fp32", n: int = 2048, use_cache: bool = True, refresh: bool = False
+) -> float:
     """Achievable matmul FLOP/s of this CPU for `dtype`: median of several n x n x n matmuls.
 
     `n` is an upper bound: a 256^3 trial is timed first and n is shrunk (in steps of 2x, not
     below 128) until one matmul is predicted to take at most ~0.5 s. That keeps the probe to a
-    few seconds even for dtypes the CPU has no vector units for.
+    few seconds even for dtypes the CPU has no vector units for. `refresh` re-measures and
+    overwrites the cached figure (the calibration does, so MFU and the planner agree).
     """
     import torch
 
     dt = _torch_dtype(torch, dtype)
     key = f"{_cpu_model()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
-    if use_cache:
+    if use_cache and not refresh:
         cached = _read_cache().get(key)
         if cached:
             return float(cached)

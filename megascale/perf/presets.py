@@ -62,6 +62,9 @@ class ClusterPreset:
     inter: Link
     gemm: GemmCurve = field(default_factory=GemmCurve)
     shared_compute: bool = False  # CPU processes on one node share its cores
+    # How sliding-window attention runs: "flex" skips masked blocks (FlexAttention on CUDA); "banded"
+    # computes each query block against two key blocks with a mask (megascale.ops, CPU path).
+    sliding_kernel: str = "flex"
     calibrated: bool = False
     source: str = ""
 
@@ -167,6 +170,7 @@ def _from_dict(raw: dict[str, Any], where: str) -> ClusterPreset:
         inter=_link(raw, "inter", where),
         gemm=GemmCurve(**{k: float(v) for k, v in g.items()}),
         shared_compute=bool(raw.get("shared_compute", False)),
+        sliding_kernel=str(raw.get("sliding_kernel", "flex")),
         source=where,
     )
 

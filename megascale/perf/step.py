@@ -137,7 +137,16 @@ def _parts(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m
     sp = lay.sequence_parallel and lay.tp > 1
     tp_link = collectives.group_link(preset, 1, lay.tp)
     layer = compute.layer_cost(
-        cfg, dev, lay.micro_batch, lay.tp, sp, tp_link, pb, st.tp_overlap, lay.recompute
+        cfg,
+        dev,
+        lay.micro_batch,
+        lay.tp,
+        sp,
+        tp_link,
+        pb,
+        st.tp_overlap,
+        lay.recompute,
+        preset.sliding_kernel,
     )
     p, v = lay.pp, lay.vpp
     per_chunk = cfg.n_layers // (p * v)
