@@ -1,6 +1,6 @@
 """`megascale <verb>`: the command line.
 
-Verbs: train, generate, preprocess, tokenizer, plan. Every verb reports user mistakes
+Verbs: train, generate, preprocess, tokenizer train, plan. Every verb reports user mistakes
 (`UserError`: a bad config field, path, dataset, tokenizer or checkpoint) as one line on
 stderr and exits with code 2; anything else is a bug and keeps its traceback.
 """
@@ -72,15 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_generate)
 
+    # Each area owns its verbs; these imports are light (no torch).
     from megascale.data.cli import register as register_data
+    from megascale.perf.cli import register as register_plan
 
     register_data(sub)
-    try:
-        from megascale.perf.cli import register as register_plan
-    except ImportError:  # the planner is optional at this stage of the project
-        register_plan = None
-    if register_plan is not None:
-        register_plan(sub)
+    register_plan(sub)
     return parser
 
 
