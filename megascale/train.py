@@ -267,6 +267,10 @@ class Trainer:
         m, t = self.cfg.model, self.cfg.train
         n = self.model.num_params()
         where = f"resumed from {self.ckpt_path} at step {start_step}" if self.ckpt else "fresh start"
+        if self.device.type == "cpu" and t.dtype == "bf16" and not _cpu_has_bf16():
+            print(f"warning: train.dtype=bf16 on a CPU without AVX512-BF16/AMX (capability "
+                  f"{torch.backends.cpu.get_cpu_capability()}): bf16 matmuls are emulated and far slower "
+                  "than fp32 here")
         print(f"megascale: {n / 1e6:.2f}M parameters ({m.style} style, {m.block} block, {m.attention} "
               f"attention), {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, seq {m.seq_len}")
         print(f"  data: {len(self.train_samples)} train / {len(self.val_samples)} val samples; "
@@ -333,6 +337,12 @@ def unigram_entropy(samples, vocab_size: int, max_samples: int = 2000) -> float:
 
 def _ppl(loss: float) -> float:
     return math.exp(loss) if loss < 50 else float("inf")
+
+
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN needs AVX512-BF16 or AMX for speed)."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(probe()) if probe is not None else True
 
 
 def _gpu_name() -> str:
