@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--adamw-lrs", default="1e-3,2e-3,4e-3", help="comma-separated peak lrs for AdamW")
-    ap.add_argument("--lamb-lrs", default="5e-3,1e-2,2e-2", help="comma-separated peak lrs for LAMB")
+    ap.add_argument("--lamb-lrs", default="1e-2,2e-2,4e-2", help="comma-separated peak lrs for LAMB")
     ap.add_argument(
         "--control-lrs", default="", help="AdamW at LAMB's batch and steps, as a control (off by default)"
     )
