@@ -4,7 +4,8 @@ Spawning a process and importing torch costs seconds on a shared 2-core machine,
 module starts its pool once (a module-scoped fixture) and every test sends it work:
 `pool.run(fn, *args)` calls fn(rank, *args) on every rank and returns the results in rank
 order. fn must be a module-level (picklable) function. If a rank raises, the pool is
-closed (the others may be stuck in a collective) and the traceback is raised here.
+closed (the others may be stuck in a collective), the traceback is raised here, and the
+next `run` starts a fresh pool.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue
 
 class WorkerPool:
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
-        self.world, port = world, _free_port()
+        self.world = world
+        self._start()
+
+    def _start(self) -> None:
+        ctx, world, port = mp.get_context("spawn"), self.world, _free_port()
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.procs = [
@@ -58,7 +62,7 @@ class WorkerPool:
 
     def run(self, fn, *args) -> list:
         if self.procs is None:
-            raise RuntimeError("the worker pool was closed after an earlier failure")
+            self._start()
         for q in self.tasks:
             q.put((fn, args))
         out: dict[int, object] = {}

@@ -123,11 +123,23 @@ def parallelize(model: nn.Module, factory: TPLayerFactory, fuse_parallel_block: 
     for p in model.parameters():
         if not hasattr(p, "tp_split_dim"):  # replicated: partial gradients only on SP's sequence slices
             mark(p, None, p.shape[0] if p.ndim else 1, partial_grad=sp)
-    if fuse_parallel_block and mesh.tp > 1:
-        for block in getattr(model, "blocks", ()):
-            if getattr(block, "parallel", False) and hasattr(block, "branch_in"):
-                fuse_branches(block, mesh, sp)
+    for block in getattr(model, "blocks", ()) if mesh.tp > 1 else ():
+        if fuse_parallel_block and getattr(block, "parallel", False) and hasattr(block, "branch_in"):
+            fuse_branches(block, mesh, sp)
+        elif sp:
+            gather_before_attention(block.attn, mesh)
     return model
+
+
+def gather_before_attention(attn: nn.Module, mesh: Mesh) -> None:
+    """Under SP, all-gather the sequence at the attention module's entry, not inside qkv.
+
+    Attention.forward reads (batch, seq) from its input to shape q, k, v; with the gather
+    inside the qkv layer it would see the 1/tp slice and mis-shape the heads. Gathering on
+    entry is the same collective at the same point (qkv takes its input as is).
+    """
+    attn.qkv.input_mode = "none"
+    attn.register_forward_pre_hook(lambda module, args: (comm.gather_seq(args[0], mesh), *args[1:]))
 
 
 def fuse_branches(block: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:
