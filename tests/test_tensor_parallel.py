@@ -10,8 +10,9 @@ from _dist import WorkerPool
 from torch import nn
 
 from megascale.config import ConfigError, ModelConfig, ParallelConfig
+from megascale.model import GPT
 from megascale.parallel import comm
-from megascale.parallel.apply_tp import check_tp
+from megascale.parallel.apply_tp import TPLayerFactory, check_tp, parallelize, tp_loss
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.tp_grads import sync_partial_grads
 from megascale.parallel.tp_layers import (
@@ -21,7 +22,7 @@ from megascale.parallel.tp_layers import (
     VocabParallelEmbedding,
 )
 from megascale.parallel.tp_loss import vocab_parallel_cross_entropy
-from megascale.parallel.tp_state import shard
+from megascale.parallel.tp_state import full_state_dict, load_full_state_dict, shard
 
 F64 = torch.float64
 B, S = 2, 6
@@ -264,3 +265,41 @@ def test_shapes_tp_cannot_split_are_config_errors():
         check_tp(ModelConfig(vocab_size=11, d_model=48, n_heads=6), mesh, False)
     with pytest.raises(ConfigError, match="parallel.sequence_parallel: model.seq_len=30"):
         check_tp(ModelConfig(vocab_size=11, d_model=48, n_heads=4, seq_len=30), mesh, True)
+
+
+# ---------------------------------------------------------------------------------------
+# The whole model: padding after parallelize, and one rank through the TP factory
+
+
+def _tiny(style="gpt"):
+    return ModelConfig(vocab_size=V, seq_len=8, n_layers=1, d_model=16, n_heads=2, style=style,
+                       bias=style == "gpt")
+
+
+def _padding_after_parallelize(rank):
+    mesh = _mesh()
+    factory = TPLayerFactory(mesh)
+    model = parallelize(GPT(_tiny(), factory), factory)  # GPT.init_weights draws every row, padding too
+    assert model.head.weight is model.embed.tok.weight and model.head.weight.shape == (129, 16)
+    return model.embed.tok.weight[-1].abs().sum().item(), model.embed.tok.weight[0].abs().sum().item()
+
+
+def test_parallelize_zeroes_the_vocab_padding(pool):
+    (_, first0), (last1, _) = pool.run(_padding_after_parallelize)
+    assert last1 == 0.0 and first0 > 0  # rank 1's last row is padding
+
+
+@pytest.mark.parametrize("style", ["gpt", "llama"])
+def test_tp_factory_on_one_rank_equals_the_serial_model(style):
+    cfg, mesh = _tiny(style), Mesh(1, 1, 1, 0)
+    torch.manual_seed(0)
+    serial = GPT(cfg).to(F64)
+    factory = TPLayerFactory(mesh, sequence_parallel=True)  # SP on one rank is a no-op
+    model = parallelize(GPT(cfg, factory), factory).to(F64)
+    load_full_state_dict(model, serial.state_dict(), mesh)
+    idx = torch.randint(0, V, (2, 8))
+    close(tp_loss(model, factory, idx, idx), serial(idx, idx))
+    full = full_state_dict(model, mesh)
+    assert full.keys() == serial.state_dict().keys()
+    for k, v in serial.state_dict().items():
+        close(full[k], v)
