@@ -20,13 +20,10 @@ checks it strictly (noise 1e-17 is far below eps, so the steps vanish).
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import WorkerPool
-from torch import nn
 
 from megascale.config import ModelConfig, OptimConfig, ParallelConfig
 from megascale.data.loader import BatchLoader
@@ -110,26 +107,22 @@ def train(model, loss_of, optimizer, ocfg, *, after_backward=None, clip_reducer=
     return losses, norms
 
 
-def serial_run(mcfg, ocfg, dtype, hooked):
+def serial_run(mcfg, ocfg, dtype, fused):
     torch.manual_seed(1234)
     model = GPT(mcfg)
-    if hooked:
-        add_branch_hooks(model)
     model.to(dtype)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     losses, norms = train(model, model, build_optimizer(model, ocfg), ocfg)
     return init, losses, norms, model.state_dict()
 
 
-def tp_run(rank, mcfg, ocfg, dtype, sp, hooked):
+def tp_run(rank, mcfg, ocfg, dtype, sp, fused):
     torch.manual_seed(1234)
     init = GPT(mcfg).to(dtype).state_dict()  # the serial model's initial weights (same seed)
     mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=sp))
     factory = TPLayerFactory(mesh, sequence_parallel=sp)
     model = GPT(mcfg, factory)
-    if hooked:
-        add_branch_hooks(model)
-    parallelize(model, factory).to(dtype)
+    parallelize(model, factory, fuse_parallel_block=fused).to(dtype)
     load_full_state_dict(model, init, mesh)
     optimizer = build_optimizer(model, ocfg)
     if ocfg.name == "lamb":
@@ -156,22 +149,6 @@ def split_key_bias(weights: dict, mcfg: ModelConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------
-# Stand-in for the model hook the fused parallel block needs (see megascale/parallel/apply_tp.py):
-# Block gets two identity regions around its branches; parallelize() swaps in one collective each.
-
-
-def _hooked_forward(self, x):
-    h = self.branch_in(x)
-    return x + self.branch_out(self.drop(self.attn(self.norm1(h))) + self.drop(self.mlp(self.norm2(h))))
-
-
-def add_branch_hooks(model: nn.Module) -> None:
-    for block in model.blocks:
-        if block.parallel:
-            block.branch_in, block.branch_out = nn.Identity(), nn.Identity()
-            block.forward = types.MethodType(_hooked_forward, block)
-
-
 # ---------------------------------------------------------------------------------------
 
 CASES = {
@@ -238,9 +215,7 @@ def _count_collectives(rank, fused):
     mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=True))
     factory = TPLayerFactory(mesh, sequence_parallel=True)
     model = GPT(mcfg, factory)
-    if fused:
-        add_branch_hooks(model)
-    parallelize(model, factory)
+    parallelize(model, factory, fuse_parallel_block=fused)
     idx, targets = batches()[0]
     dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
     try:

@@ -29,10 +29,13 @@ class Attention(nn.Module):
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        # The shape comes from qkv's output, not from x: under sequence parallelism x holds
+        # 1/tp of the sequence and the column-parallel qkv gathers the rest.
+        b, s = qkv.shape[:2]
         # (b, s, heads, 3*hd) split into three (b, heads, s, hd) views: no copy before the kernel,
         # and the backward of split is one cat straight into the qkv gradient's layout.
-        qkv = self.qkv(x).view(b, s, -1, 3 * self.head_dim)
+        qkv = qkv.view(b, s, -1, 3 * self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.split(self.head_dim, dim=-1))
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)

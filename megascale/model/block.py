@@ -37,9 +37,17 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg, factory) if cfg.style == "llama" else GeluMLP(cfg, factory)
         # Residual dropout on each branch's output, as nanoGPT; Identity when off (no cost).
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        # The parallel block's two branches share one input and one summed output. Tensor
+        # parallelism with sequence parallelism replaces these identities with ONE all-gather
+        # of the shared input and ONE reduce-scatter of the summed output (MegaScale's point:
+        # half the collectives of the sequential block on the critical path).
+        self.branch_in = nn.Identity()
+        self.branch_out = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel:
-            return x + self.drop(self.attn(self.norm1(x))) + self.drop(self.mlp(self.norm2(x)))
+            h = self.branch_in(x)
+            branches = self.drop(self.attn(self.norm1(h))) + self.drop(self.mlp(self.norm2(h)))
+            return x + self.branch_out(branches)
         h = x + self.drop(self.attn(self.norm1(x)))
         return h + self.drop(self.mlp(self.norm2(h)))

@@ -26,6 +26,7 @@ Roles for `embedding(..., style=...)`: "vocab" (token embedding: vocab-parallel 
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import nn
 
 LINEAR_STYLES = ("column", "row", "head")
@@ -44,3 +45,14 @@ class LayerFactory:
         if style not in EMBEDDING_STYLES:
             raise ValueError(f"embedding style must be one of {EMBEDDING_STYLES}, got {style!r}")
         return nn.Embedding(num_embeddings, dim)
+
+    def cross_entropy(self, vocab_size: int, ignore_index: int = -1):
+        """The loss over the head's logits: (tokens, V), (tokens,) -> mean cross-entropy.
+
+        Tensor parallelism returns a vocab-parallel loss instead, which never gathers the
+        full logits."""
+
+        def loss(logits, targets):
+            return F.cross_entropy(logits, targets, ignore_index=ignore_index)
+
+        return loss

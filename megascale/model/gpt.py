@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -47,6 +46,7 @@ class GPT(nn.Module):
         check_model_config(cfg)
         self.cfg = cfg
         factory = factory or LayerFactory()
+        self.loss_fn = factory.cross_entropy(cfg.vocab_size, IGNORE_INDEX)
         self.embed = Embedding(cfg, factory)
         rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if cfg.style == "llama" else None
         self.blocks = nn.ModuleList(Block(cfg, factory, rotary) for _ in range(cfg.n_layers))
@@ -113,7 +113,7 @@ class GPT(nn.Module):
         logits = self.head(self.body(idx))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+        return self.loss_fn(logits.flatten(0, 1), targets.flatten())
 
     # -----------------------------------------------------------------------------------
     # Accounting
