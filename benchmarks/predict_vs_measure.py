@@ -85,7 +85,18 @@ def main() -> int:
         help="cpu: CPU time per thread (robust to other jobs on a shared machine); wall: wall time",
     )
     ap.add_argument("--only", type=int, nargs="*", help="case numbers to run (default: all)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for calibration and training alike (1: on a loaded machine a "
+        "descheduled thread stalls every parallel kernel of the others; 0: torch's default)",
+    )
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if not args.no_calibrate:
         res = calibrate(load_preset("cpu", use_calibration=False), clock=args.clock)
         g = res["gemm"]
@@ -95,7 +106,9 @@ def main() -> int:
             f"memory {res['memory_bw'] / 1e9:.1f} GB/s"
         )
     preset = load_preset("cpu")
-    print(f"clock: {args.clock}")
+    import torch
+
+    print(f"clock: {args.clock}, threads: {torch.get_num_threads()}")
     print(f"{'case':<38}{'world':>6}{'predicted s':>13}{'measured s':>12}{'error':>8}{'(wall s)':>10}")
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,6 +18,7 @@ import json
 import math
 import statistics
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from megascale.errors import UserError
@@ -31,6 +32,7 @@ SHAPES = [  # (m, n, k): square, token x hidden projections, attention-like smal
     (256, 256, 64), (256, 64, 256), (64, 64, 64), (2048, 64, 2048),
 ]  # fmt: skip
 _BUDGET_S = 0.25  # per shape
+_COLD_BYTES = 64 << 20  # more than a server CPU's last-level cache (32 MB on this EPYC)
 
 
 def cpu_clock(threads: int):
@@ -64,26 +66,76 @@ def measure(device: str, dtype: str, shapes=SHAPES, budget: float = _BUDGET_S, c
 
     dt = _torch_dtype(torch, dtype)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    points = []
-    for m, n, k in shapes:
-        a = torch.randn(m, k, device=device, dtype=dt)
-        b = torch.randn(k, n, device=device, dtype=dt)
+    # Two interleaved rounds, median per shape: a burst of load from other jobs then hits one
+    # sample of many shapes rather than every sample of one shape.
+    samples: dict[tuple[int, int, int], list[float]] = {shape: [] for shape in shapes}
+    for _ in range(2):
+        for m, n, k in shapes:
+            # Cycle through enough operand copies to overflow the last-level cache: in a training
+            # step a GEMM's inputs come cold from memory, after other kernels evicted them.
+            size = (m * k + k * n) * torch.finfo(dt).bits // 8
+            copies = max(1, min(16, -(-_COLD_BYTES // size)))
+            ops = [
+                (torch.randn(m, k, device=device, dtype=dt), torch.randn(k, n, device=device, dtype=dt))
+                for _ in range(copies)
+            ]
+            turn = [0]
 
-        def run(a=a, b=b):
-            torch.mm(a, b)
-            sync()
+            def run(ops=ops, turn=turn):
+                a, b = ops[turn[0] % len(ops)]
+                turn[0] += 1
+                torch.mm(a, b)
+                sync()
 
-        points.append({"m": m, "n": n, "k": k, "seconds": _time(run, budget, tick)})
+            samples[(m, n, k)].append(_time(run, budget / 2, tick))
+    points = [{"m": m, "n": n, "k": k, "seconds": statistics.median(t)} for (m, n, k), t in samples.items()]
     tiny_a = torch.randn(8, 8, device=device, dtype=dt)
     overhead = _time(lambda: (torch.mm(tiny_a, tiny_a), sync()), 0.1, tick)
     numel = 1 << 24
     x, y, z = (torch.randn(numel, device=device, dtype=dt) for _ in range(3))
     t_add = _time(lambda: (torch.add(x, y, out=z), sync()), 0.5, tick)
-    return {
-        "points": points,
-        "overhead_s": overhead,
-        "memory_bw": 3 * numel * x.element_size() / t_add,
-    }
+    memory_bw = 3 * numel * x.element_size() / t_add
+    kernels = _measure_kernels(torch, device, dt, sync, budget, tick, memory_bw)
+    return {"points": points, "overhead_s": overhead, "memory_bw": memory_bw, **kernels}
+
+
+def _measure_kernels(torch, device, dt, sync, budget, tick, memory_bw) -> dict:
+    """Causal SDPA forward+backward, and GeLU / SiLU forward and backward per element."""
+    import torch.nn.functional as F
+
+    b, h, s, d = 8, 4, 256, 64
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dt, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, h, s, d, device=device, dtype=dt)
+
+    def attn():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        sync()
+
+    out = {"attention": {"b": b, "h": h, "s": s, "d": d, "seconds": _time(attn, budget * 2, tick)}}
+    n = 1 << 22
+    x = torch.randn(n, device=device, dtype=dt, requires_grad=True)
+    g = torch.randn(n, device=device, dtype=dt)
+    bpe = x.element_size()
+    for name, fn in (("gelu", F.gelu), ("silu", F.silu)):
+        t_f = _time(lambda fn=fn: (fn(x.detach()), sync()), budget, tick)
+        t_fb = _time(lambda fn=fn: (fn(x).backward(g), sync()), budget, tick)
+        # What the memory traffic (counted elsewhere) does not explain: forward reads + writes one
+        # element, backward reads two and writes one.
+        out[f"{name}_fwd_s"] = max(0.0, t_f / n - 2 * bpe / memory_bw)
+        out[f"{name}_bwd_s"] = max(0.0, (t_fb - t_f) / n - 3 * bpe / memory_bw)
+    return out
+
+
+def attention_efficiency(curve: GemmCurve, peak: float, meas: dict) -> float:
+    """Measured causal SDPA forward+backward against plain GEMMs of the same (causal) FLOPs."""
+    from megascale.perf.gemm import DeviceModel
+
+    a = meas["attention"]
+    dev = DeviceModel(peak, meas["memory_bw"], curve, 4)
+    frac = (a["s"] + 1) / 2 / a["s"]
+    batch = a["b"] * a["h"]
+    fwd = dev.gemm(a["s"], a["s"], a["d"], batch, frac) + dev.gemm(a["s"], a["d"], a["s"], batch, frac)
+    return 3 * fwd / a["seconds"]  # backward ~ twice the forward's GEMMs
 
 
 def fit(points: list[dict], peak: float, overhead: float) -> GemmCurve:
@@ -121,13 +173,13 @@ def calibrate(preset: ClusterPreset, out: Path | None = None, clock: str = "wall
         peak = preset.peak_flops  # the datasheet peak stays the MFU denominator
     meas = measure(device, preset.dtype, clock=clock if device == "cpu" else "wall")
     curve = fit(meas["points"], peak, meas["overhead_s"])
+    extra = {k: meas[k] for k in ("gelu_fwd_s", "gelu_bwd_s", "silu_fwd_s", "silu_bwd_s")}
+    curve = replace(curve, attention_efficiency=attention_efficiency(curve, peak, meas), **extra)
     result = {
         "preset": preset.name,
         "peak_flops": peak,
         "memory_bw": meas["memory_bw"],
-        "gemm": {
-            k: getattr(curve, k) for k in ("max_efficiency", "half_dim", "overhead_s", "memory_efficiency")
-        },
+        "gemm": asdict(curve),
         "points": meas["points"],
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

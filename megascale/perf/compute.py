@@ -150,20 +150,29 @@ def layer_cost(
     groups = layer_gemms(cfg, tokens, micro_batch, tp, parallel_block, sliding_kernel)
     bpe = dev.bytes_per_element
 
-    def fwd_t(g: Gemm) -> float:
-        return dev.gemm(g.m, g.n, g.k, g.batch, g.flop_scale)
+    attn_eff = dev.curve.attention_efficiency
 
-    def bwd_t(g: Gemm) -> float:  # dX = dY W^T and dW = X^T dY
-        return dev.gemm(g.m, g.k, g.n, g.batch, g.flop_scale) + dev.gemm(g.k, g.n, g.m, g.batch, g.flop_scale)
+    def fwd_t(g: Gemm, e: float = 1.0) -> float:
+        return dev.gemm(g.m, g.n, g.k, g.batch, g.flop_scale, e)
+
+    def bwd_t(g: Gemm, e: float = 1.0) -> float:  # dX = dY W^T and dW = X^T dY
+        return dev.gemm(g.m, g.k, g.n, g.batch, g.flop_scale, e) + dev.gemm(
+            g.k, g.n, g.m, g.batch, g.flop_scale, e
+        )
 
     ew_bytes, ew_kernels = elementwise_bytes(cfg, tokens, tp, sp, parallel_block, bpe, sliding_kernel)
     fwd = dev.elementwise(ew_bytes, ew_kernels)
     bwd = dev.elementwise(BACKWARD_ELEMENTWISE_FACTOR * ew_bytes, 2 * ew_kernels)
+    act_elems = tokens * cfg.ffn_dim / tp  # the activation function's inputs on this rank
+    c = dev.curve
+    fwd += act_elems * (c.silu_fwd_s if cfg.style == "llama" else c.gelu_fwd_s)
+    bwd += act_elems * (c.silu_bwd_s if cfg.style == "llama" else c.gelu_bwd_s)
     fwd_exp = bwd_exp = fwd_comm = bwd_comm = 0.0
     act_bytes = tokens * cfg.d_model * bpe  # one full activation of the layer
     for i, group in enumerate(groups):
-        gf = sum(fwd_t(g) for g in group)
-        gb = sum(bwd_t(g) for g in group)
+        e = attn_eff if i == 1 else 1.0
+        gf = sum(fwd_t(g, e) for g in group)
+        gb = sum(bwd_t(g, e) for g in group)
         fwd += gf
         bwd += gb
         if tp == 1 or tp_link is None or i == 1:  # i == 1: the attention core needs no TP collective

@@ -41,10 +41,19 @@ class DeviceModel:
     def from_preset(cls, preset: ClusterPreset, bytes_per_element: int, share: float = 1.0) -> DeviceModel:
         return cls(preset.peak_flops * share, preset.memory_bw * share, preset.gemm, bytes_per_element)
 
-    def gemm(self, m: float, n: float, k: float, batch: float = 1.0, flop_scale: float = 1.0) -> float:
-        """Seconds for `batch` GEMMs of (m x k) @ (k x n); `flop_scale` < 1 for causal masking."""
+    def gemm(
+        self,
+        m: float,
+        n: float,
+        k: float,
+        batch: float = 1.0,
+        flop_scale: float = 1.0,
+        eff_scale: float = 1.0,
+    ) -> float:
+        """Seconds for `batch` GEMMs of (m x k) @ (k x n); `flop_scale` < 1 for causal masking,
+        `eff_scale` for kernels that are GEMM-like but slower (fused attention)."""
         flops = 2.0 * m * n * k * batch * flop_scale
-        eff = shape_efficiency(self.curve, m, n, k)
+        eff = shape_efficiency(self.curve, m, n, k) * eff_scale
         moved = (m * k + k * n + m * n) * batch * self.bytes_per_element
         t_compute = flops / (self.peak_flops * eff)
         t_memory = moved / (self.memory_bw * self.curve.memory_efficiency)

@@ -47,6 +47,15 @@ class GemmCurve:
     half_dim: float = 64.0
     overhead_s: float = 5e-6
     memory_efficiency: float = 0.8  # fraction of memory_bw that elementwise kernels reach
+    # The attention kernel (flash/SDPA) runs its GEMM-equivalent FLOPs this much slower or faster than
+    # plain GEMMs of the same shapes would (softmax, exp and rescaling are inside it).
+    attention_efficiency: float = 1.0
+    # Seconds per element of activation functions beyond their memory traffic (0 on GPUs, where they
+    # are memory-bound; on CPUs erf/exp make them compute-bound). Forward and backward.
+    gelu_fwd_s: float = 0.0
+    gelu_bwd_s: float = 0.0
+    silu_fwd_s: float = 0.0
+    silu_bwd_s: float = 0.0
 
 
 @dataclass(frozen=True)
