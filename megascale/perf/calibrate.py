@@ -134,7 +134,9 @@ def attention_efficiency(curve: GemmCurve, peak: float, meas: dict) -> float:
     dev = DeviceModel(peak, meas["memory_bw"], curve, 4)
     frac = (a["s"] + 1) / 2 / a["s"]
     batch = a["b"] * a["h"]
-    fwd = dev.gemm(a["s"], a["s"], a["d"], batch, frac) + dev.gemm(a["s"], a["d"], a["s"], batch, frac)
+    fwd = dev.gemm(a["s"], a["s"], a["d"], batch, frac, fused=True) + dev.gemm(
+        a["s"], a["d"], a["s"], batch, frac, fused=True
+    )
     return 3 * fwd / a["seconds"]  # backward ~ twice the forward's GEMMs
 
 

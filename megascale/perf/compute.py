@@ -152,12 +152,14 @@ def layer_cost(
 
     attn_eff = dev.curve.attention_efficiency
 
-    def fwd_t(g: Gemm, e: float = 1.0) -> float:
-        return dev.gemm(g.m, g.n, g.k, g.batch, g.flop_scale, e)
+    def fwd_t(g: Gemm, core: bool) -> float:
+        e = attn_eff if core else 1.0
+        return dev.gemm(g.m, g.n, g.k, g.batch, g.flop_scale, e, core)
 
-    def bwd_t(g: Gemm, e: float = 1.0) -> float:  # dX = dY W^T and dW = X^T dY
-        return dev.gemm(g.m, g.k, g.n, g.batch, g.flop_scale, e) + dev.gemm(
-            g.k, g.n, g.m, g.batch, g.flop_scale, e
+    def bwd_t(g: Gemm, core: bool) -> float:  # dX = dY W^T and dW = X^T dY
+        e = attn_eff if core else 1.0
+        return dev.gemm(g.m, g.k, g.n, g.batch, g.flop_scale, e, core) + dev.gemm(
+            g.k, g.n, g.m, g.batch, g.flop_scale, e, core
         )
 
     ew_bytes, ew_kernels = elementwise_bytes(cfg, tokens, tp, sp, parallel_block, bpe, sliding_kernel)
@@ -170,9 +172,9 @@ def layer_cost(
     fwd_exp = bwd_exp = fwd_comm = bwd_comm = 0.0
     act_bytes = tokens * cfg.d_model * bpe  # one full activation of the layer
     for i, group in enumerate(groups):
-        e = attn_eff if i == 1 else 1.0
-        gf = sum(fwd_t(g, e) for g in group)
-        gb = sum(bwd_t(g, e) for g in group)
+        core = i == 1  # the attention core: one fused kernel  # the attention core runs as one fused kernel
+        gf = sum(fwd_t(g, core) for g in group)
+        gb = sum(bwd_t(g, core) for g in group)
         fwd += gf
         bwd += gb
         if tp == 1 or tp_link is None or i == 1:  # i == 1: the attention core needs no TP collective

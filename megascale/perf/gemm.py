@@ -49,12 +49,15 @@ class DeviceModel:
         batch: float = 1.0,
         flop_scale: float = 1.0,
         eff_scale: float = 1.0,
+        fused: bool = False,
     ) -> float:
         """Seconds for `batch` GEMMs of (m x k) @ (k x n); `flop_scale` < 1 for causal masking,
-        `eff_scale` for kernels that are GEMM-like but slower (fused attention)."""
+        `eff_scale` for kernels that are GEMM-like but slower (fused attention). A `fused` GEMM
+        (inside an attention kernel) does not write its m x n result to memory: a flash kernel keeps
+        it on chip, and where scores are materialised (banded CPU kernel) compute.py counts them."""
         flops = 2.0 * m * n * k * batch * flop_scale
         eff = shape_efficiency(self.curve, m, n, k) * eff_scale
-        moved = (m * k + k * n + m * n) * batch * self.bytes_per_element
+        moved = (m * k + k * n + (0 if fused else m * n)) * batch * self.bytes_per_element
         t_compute = flops / (self.peak_flops * eff)
         t_memory = moved / (self.memory_bw * self.curve.memory_efficiency)
         return self.curve.overhead_s + max(t_compute, t_memory)
