@@ -86,7 +86,9 @@ def test_cli_config_error_is_one_line_exit_2(tmp_path):
 
 
 def test_print_config(tmp_path):
+    # overrides may sit on either side of the options
     r = subprocess.run([sys.executable, "-m", "megascale", "train", "--config", "configs/cpu_default.toml",
-                        "--print-config", "model.n_layers=3"], capture_output=True, text=True, cwd=ROOT)
+                        "model.d_model=96", "--print-config", "model.n_layers=3"],
+                       capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    assert "[model]" in r.stdout and "n_layers = 3" in r.stdout
+    assert "[model]" in r.stdout and "n_layers = 3" in r.stdout and "d_model = 96" in r.stdout
