@@ -12,9 +12,11 @@ they will be added here once `megascale.parallel` can run them.
     .venv/bin/python benchmarks/predict_vs_measure.py [--steps 6] [--no-calibrate]
 
 Keep it small: the machine is 2 cores shared with others, and both calibration and
-measurement are disturbed by their load. Both take medians, and run back to back, so they
-see the same typical load; `--clock cpu` times both by CPU time per thread instead (less
-sensitive to neighbours, but it assumes every thread is busy, which small kernels are not).
+measurement are disturbed by their load. By default both run on one torch thread and are
+timed by this process's CPU time (`--clock cpu`): what the wall time would be on an idle
+machine, whatever the neighbours do (it still sees their cache and memory-bandwidth traffic).
+`--clock wall --threads 0` gives plain wall time on torch's default threads, meaningful only
+when the machine is quiet. Both take medians.
 """
 
 from __future__ import annotations
@@ -32,9 +34,17 @@ from megascale.perf.calibrate import calibrate  # noqa: E402
 from megascale.perf.presets import load_preset  # noqa: E402
 from megascale.perf.step import AS_CONFIGURED, Layout, predict  # noqa: E402
 
-# (name, overrides) on top of configs/cpu_default.toml: a spread of shapes, one knob at a time.
+# The model and batch are pinned here (not taken from configs/cpu_default.toml, which may change):
+# a 4-layer GPT, d_model 256, 256 tokens, batch 32 in micro-batches of 16, fp32, byte tokenizer.
+BASE = [
+    "model.seq_len=256", "model.n_layers=4", "model.d_model=256", "model.n_heads=4", 'model.style="gpt"',
+    'model.block="sequential"', 'model.attention="full"', "model.bias=true", "model.dropout=0.0",
+    "train.global_batch=32", "train.micro_batch=16", 'train.dtype="fp32"', 'train.device="cpu"',
+    'data.tokenizer="byte"',
+]  # fmt: skip
+# (name, overrides on top of BASE): a spread of shapes, one knob at a time.
 CASES = [
-    ("cpu_default (4L d256 s256, mb16 x2)", []),
+    ("4L d256 s256, mb16 x2", []),
     ("micro-batch 4 (8 micro-batches)", ["train.micro_batch=4"]),
     (
         "6L d384, mb8 x2",
@@ -62,7 +72,7 @@ def measure(overrides: list[str], steps: int, run_dir: str) -> tuple[float, floa
         f"train.steps={steps}", "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.resume=false",
         "log.tensorboard=false", "log.progress=false", "log.sample_tokens=0", f'train.run_dir="{run_dir}"',
     ]  # fmt: skip
-    cfg = load_config("configs/cpu_default.toml", overrides + common)
+    cfg = load_config("configs/cpu_default.toml", BASE + overrides + common)
     trainer = Trainer(cfg, quiet=True)
     tick = cpu_clock(torch.get_num_threads())
     wall, cpu = [], []
@@ -81,7 +91,7 @@ def main() -> int:
     ap.add_argument(
         "--clock",
         choices=["cpu", "wall"],
-        default="wall",
+        default="cpu",
         help="cpu: CPU time per thread (robust to other jobs on a shared machine); wall: wall time",
     )
     ap.add_argument("--only", type=int, nargs="*", help="case numbers to run (default: all)")
