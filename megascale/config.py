@@ -123,6 +123,7 @@ class LogConfig:
     progress: bool = True  # progress bar; off in CI logs and tests
     sample_tokens: int = 200  # tokens of text sampled at the end of `train` (0: none)
     sample_prompt: str = "ROMEO:"
+    peak_flops: float = 0.0  # MFU denominator in FLOP/s per device; 0: probed (CPU) or from the GPU table
 
 
 @dataclass
@@ -300,6 +301,7 @@ def validate(cfg: Config) -> None:
     for name in ("tp", "pp", "dp", "vpp"):
         _positive(f"parallel.{name}", getattr(p, name))
 
+    _positive("log.peak_flops", cfg.log.peak_flops, allow_zero=True)
     _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
 

@@ -105,8 +105,8 @@ class Trainer:
         self.n_micro = t.global_batch // t.micro_batch
         self.tokens_per_step = t.global_batch * m.seq_len
         self.flops_per_token = self.model.flops_per_token(training=True)
-        self.peak = peak_flops(self.device.type if self.device.type == "cpu" else _gpu_name(),
-                               "fp64" if t.dtype == "fp64" else t.dtype)
+        self.peak = peak_flops(self.device.type if self.device.type == "cpu" else _gpu_name(), t.dtype,
+                               override=cfg.log.peak_flops or None)
         self._stop_signal: int | None = None
 
     # ------------------------------------------------------------------ set-up helpers
