@@ -1,0 +1,209 @@
+"""The distributed optimizer's parts: bucket layout and views, the reduce-scatter / all-gather round
+trip, overlap on and off, LAMB's whole-tensor norms from pieces, and the optimizer state round trips.
+End-to-end parity with one process is tests/test_dp_parity.py."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from _dist import WorkerPool
+
+from megascale.config import ModelConfig, OptimConfig, ParallelConfig
+from megascale.model import GPT
+from megascale.parallel import Mesh
+from megascale.parallel.data import DistributedOptimizer, DPBuffers, plan_buckets
+
+MCFG = ModelConfig(vocab_size=61, seq_len=8, n_layers=2, d_model=16, n_heads=2)
+OCFG = OptimConfig(name="lamb", lr=1e-2, warmup_steps=1, weight_decay=0.1, grad_clip=0.5)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+def tiny(seed: int = 0, dtype=torch.float64) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(MCFG).to(dtype)
+
+
+def batch(rank: int, n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    t = torch.randint(0, MCFG.vocab_size, (n, MCFG.seq_len + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+# ---------------------------------------------------------------------------------------- layout
+
+
+def test_plan_buckets_closes_at_size_and_pads_to_dp():
+    plan = plan_buckets([5, 7, 3, 10, 1], bucket_size=10, dp=4)
+    assert plan == [(0, 12, [0, 1]), (12, 28, [2, 3]), (28, 32, [4])]
+    assert [i for _, _, m in plan for i in m] == list(range(5))
+    assert plan_buckets([5, 7, 3], bucket_size=10**9, dp=2) == [(0, 16, [0, 1, 2])]
+    with pytest.raises(ValueError, match="bucket_size"):
+        plan_buckets([1], 0, 1)
+
+
+def test_buffers_hold_params_and_grads_as_views_in_backward_order():
+    model = tiny()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    bufs = DPBuffers(params, Mesh(1, 1, 1, 0), bucket_size=2000)
+    data, grad = bufs.param_buffers[torch.float64], bufs.grad_buffers[torch.float64]
+    for p in params:
+        assert p.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+        assert p.grad.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())  # values kept
+    assert bufs.buckets[0].params[0] is params[-1]  # the last parameter's gradient comes first
+    assert len(bufs.buckets) > 2 and all(len(b.ready) == 0 for b in bufs.buckets)
+    x, y = batch(0)
+    model(x, y).backward()  # autograd accumulates into the buffer in place
+    assert grad.abs().sum() > 0
+    bufs.zero_grad()
+    assert grad.abs().sum() == 0
+
+
+def _pieces_partition(rank):
+    mesh = Mesh.build(ParallelConfig(dp=2))
+    opt = DistributedOptimizer(tiny(), OCFG, mesh, bucket_size=700)
+    return [(pc.start, pc.numel, p.numel()) for pc, p in zip(opt.pieces, opt.params, strict=True)]
+
+
+def test_shards_cut_through_tensors_and_cover_each_once(pool):
+    r0, r1 = pool.run(_pieces_partition)
+    cut = 0
+    for (s0, n0, total), (s1, n1, _) in zip(r0, r1, strict=True):
+        covered = torch.zeros(total, dtype=torch.int64)
+        covered[s0:s0 + n0] += 1
+        covered[s1:s1 + n1] += 1
+        assert torch.equal(covered, torch.ones(total, dtype=torch.int64))
+        cut += n0 > 0 and n1 > 0
+    assert cut > 0  # at least one tensor is split between the two ranks
+
+
+# ---------------------------------------------------------------------------------------- collectives
+
+
+def _round_trip(rank):
+    mesh = Mesh.build(ParallelConfig(dp=2))
+    model = tiny()
+    bufs = DPBuffers(list(model.parameters()), mesh, bucket_size=700, overlap=False)
+    grad = bufs.grad_buffers[torch.float64]
+    grad.copy_(torch.arange(grad.numel(), dtype=torch.float64) * (rank + 1))  # rank r: (r + 1) * i
+    bufs.finish_grad_sync()
+    shards_ok = True
+    for b in bufs.buckets:
+        offset = (b.grad_shard.data_ptr() - grad.data_ptr()) // grad.element_size()
+        want = 1.5 * torch.arange(offset, offset + b.grad_shard.numel(), dtype=torch.float64)
+        shards_ok &= torch.equal(b.grad_shard, want)
+    for b in bufs.buckets:
+        b.param_shard.fill_(rank + 1)
+    bufs.gather_params()
+    gathered = [b.param_data.view(2, -1)[:, 0].tolist() for b in bufs.buckets]
+    return shards_ok, gathered, [p.flatten()[0].item() for p in model.parameters()]
+
+
+def test_reduce_scatter_averages_and_all_gather_restores(pool):
+    (ok0, g0, first0), (ok1, g1, first1) = pool.run(_round_trip)
+    assert ok0 and ok1  # each rank's shard holds the mean (1.5 * i) of its elements
+    assert g0 == g1 == [[1.0, 2.0]] * len(g0)  # every rank sees both ranks' shards, in rank order
+    assert first0 == first1 and set(first0) <= {1.0, 2.0}  # the parameters are views of the gathered data
+
+
+def _overlap(rank, overlap):
+    mesh = Mesh.build(ParallelConfig(dp=2))
+    model = tiny()
+    opt = DistributedOptimizer(model, OCFG, mesh, bucket_size=700, overlap_grad_reduce=overlap)
+    opt.zero_grad()
+    for i in range(2):
+        x, y = batch(10 * rank + i)
+        with opt.no_sync() if i == 0 else contextlib.nullcontext():
+            (model(x, y) / 2).backward()
+    launched = opt.buffers._next  # buckets reduce-scattered during backward
+    opt.finish_grad_sync()
+    shards = torch.cat([b.grad_shard for b in opt.buffers.buckets])
+    error = None
+    if overlap:  # a backward outside no_sync after the buckets went out is an error, not a silent mix-up
+        try:
+            x, y = batch(99)
+            model(x, y).backward()
+        except RuntimeError as e:
+            error = str(e)
+    return launched, len(opt.buffers.buckets), shards, error
+
+
+def test_overlap_reduces_during_backward_and_equals_no_overlap(pool):
+    (launched, n, on, error), _ = pool.run(_overlap, True)
+    (launched_off, _, off, _), _ = pool.run(_overlap, False)
+    assert launched == n and launched_off == 0
+    assert torch.equal(on, off)  # bitwise: the same reduction, only earlier
+    assert "no_sync" in error
+
+
+# ---------------------------------------------------------------------------------------- LAMB norms, state
+
+
+def _lamb_norms(rank):
+    """The reducer's output row 0 must be ||p||^2 of whole tensors, though each rank holds pieces."""
+    mesh = Mesh.build(ParallelConfig(dp=2))
+    model = tiny()
+    opt = DistributedOptimizer(model, OCFG, mesh, bucket_size=700)
+    inner, seen = opt.optimizer, []
+    reducer = inner.norm_reducer
+    inner.norm_reducer = lambda sq: seen.append(reducer(sq)) or seen[-1]
+    adapted = [p for p in opt.params if p.ndim >= 2]  # Lamb's columns: the decay group, in order
+    want = torch.stack([p.detach().square().sum() for p in adapted])  # before the update
+    opt.zero_grad()
+    x, y = batch(rank)
+    model(x, y).backward()
+    opt.step()
+    return seen[0][0], want
+
+
+def test_lamb_reducer_gives_whole_tensor_norms(pool):
+    (got0, want), (got1, _) = pool.run(_lamb_norms)
+    assert torch.allclose(got0, want, rtol=1e-13) and torch.equal(got0, got1)
+
+
+def _state_round_trip(rank):
+    mesh = Mesh.build(ParallelConfig(dp=2))
+    models = [tiny(), tiny()]
+    opts = [DistributedOptimizer(m, OCFG, mesh, bucket_size=700) for m in models]
+
+    def step(i):
+        opts[i].zero_grad()
+        x, y = batch(rank)
+        models[i](x, y).backward()
+        opts[i].clip_grad_norm_(0.5)
+        opts[i].step()
+
+    step(0)
+    full = opts[0].full_state_dict()
+    opts[1].load_full_state_dict(full)
+    models[1].load_state_dict(models[0].state_dict())
+    sharded = copy.deepcopy(opts[0].state_dict())  # torch's state_dict holds live references
+    step(0), step(1)
+    same = all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
+    fresh = DistributedOptimizer(tiny(), OCFG, mesh, bucket_size=700)
+    fresh.load_state_dict(sharded)
+    reloaded = fresh.state_dict()["inner"]["state"][0]["exp_avg"]
+    wrong_layout = DistributedOptimizer(tiny(), OCFG, mesh, bucket_size=10**6)
+    with pytest.raises(ValueError, match="layout"):
+        wrong_layout.load_state_dict(sharded)
+    return same, torch.equal(reloaded, sharded["inner"]["state"][0]["exp_avg"])
+
+
+def test_state_dicts_round_trip(pool):
+    for same, reloaded in pool.run(_state_round_trip):
+        assert same and reloaded  # full -> shards resumes bit-exactly; sharded state reloads as saved
+
+
+def test_low_precision_params_are_refused():
+    with pytest.raises(TypeError, match="float32 or float64"):
+        DistributedOptimizer(tiny(dtype=torch.bfloat16), OCFG, Mesh(1, 1, 1, 0))
