@@ -1,0 +1,134 @@
+"""Pipeline parallelism: run one training step's forwards and backwards through the stages.
+
+One step on every rank of the mesh (dp and tp ranks too), after zero_grad:
+
+    stage = PipelineStage(cfg.model, mesh, cfg.parallel.vpp, factory)   # once; factory: TP or None
+    load_stage_state_dict(stage, full)                                   # optional: one-process weights
+    ...
+    result = pipeline_step(stage, microbatches, micro_batch, schedule)   # forwards + backwards
+    stage.finish_grads()                                                 # TP partial sums, tied copies
+    clip_grad_norm_(params, max_norm, norm_reducer=stage.grad_norm_reducer(params))
+    optimizer.step()                                                     # result.loss on every rank
+
+`microbatches` is the step's list of (idx, targets), one per micro-batch; only the first
+stage reads idx and only the last reads targets, so other ranks may pass None entries.
+The schedule ("afab", "1f1b", "interleaved", see pp_schedule.py) is a list of ops per rank;
+this module is the one loop that runs any of them: an F receives its input (or embeds the
+tokens), runs the chunk and sends the output on (or keeps the loss); a B receives the
+output's gradient (or starts from the loss), back-propagates and sends the input's gradient
+back. The loss is scaled by 1 / num_microbatches before backward, as gradient accumulation
+on one process does, so gradients equal one process's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megascale.config import ParallelConfig
+from megascale.parallel.pp_comm import BACKWARD_TAG, FORWARD_TAG, P2P
+from megascale.parallel.pp_schedule import SCHEDULES, Op, schedule_ops, simulate, theoretical_bubble
+from megascale.parallel.pp_stage import (
+    PipelineStage,
+    check_pipeline,
+    default_schedule,
+    gather_stage_state_dict,
+    load_stage_state_dict,
+    num_microbatches,
+    partition,
+    rank_chunks,
+)
+
+__all__ = [
+    "SCHEDULES",
+    "Op",
+    "PipelineStage",
+    "StepResult",
+    "activation_shape",
+    "check_pipeline",
+    "default_schedule",
+    "gather_stage_state_dict",
+    "load_stage_state_dict",
+    "num_microbatches",
+    "partition",
+    "pipeline_step",
+    "rank_chunks",
+    "schedule_ops",
+    "simulate",
+    "theoretical_bubble",
+]
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss over the step's micro-batches, the same on every pipeline rank
+    wait_s: float  # time this rank spent blocked in point-to-point receives (and final sends)
+    total_s: float  # wall time of the step's forwards and backwards on this rank
+
+    @property
+    def bubble(self) -> float:
+        """Fraction of the step this rank idled; compare with theoretical_bubble(pp, m, vpp)."""
+        return self.wait_s / self.total_s if self.total_s > 0 else 0.0
+
+
+def activation_shape(stage: PipelineStage, micro_batch: int, sequence_parallel: bool) -> tuple[int, int, int]:
+    """What travels between stages: (micro_batch, seq_len, d_model), seq_len / tp under SP."""
+    cfg, tp = stage.cfg, stage.mesh.tp
+    seq = cfg.seq_len // tp if sequence_parallel and tp > 1 else cfg.seq_len
+    return micro_batch, seq, cfg.d_model
+
+
+def pipeline_step(
+    stage: PipelineStage,
+    microbatches: Sequence[tuple[Tensor, Tensor] | None],
+    micro_batch: int,
+    schedule: str | None = None,
+    sequence_parallel: bool = False,
+) -> StepResult:
+    """Forwards and backwards of one step on this rank; gradients accumulate in the stage's parameters."""
+    mesh, m = stage.mesh, len(microbatches)
+    pp, vpp = mesh.pp, stage.vpp
+    layout = ParallelConfig(tp=mesh.tp, pp=pp, dp=mesh.dp, vpp=vpp, sequence_parallel=sequence_parallel)
+    schedule = schedule or default_schedule(layout)
+    check_pipeline(stage.cfg, layout, m, schedule)
+    param = next(stage.parameters())
+    comm = P2P(mesh, activation_shape(stage, micro_batch, sequence_parallel), param.dtype, param.device)
+    last_vs = pp * vpp - 1
+    inputs: dict[tuple[int, int], Tensor] = {}
+    outputs: dict[tuple[int, int], Tensor] = {}
+    loss_sum = torch.zeros((), dtype=torch.float64, device=param.device)
+    t0 = time.perf_counter()
+    for op in schedule_ops(schedule, pp, mesh.pp_rank, m, vpp):
+        key, vs = (op.microbatch, op.chunk), stage.virtual_stage(op.chunk)
+        if op.kind == "F":
+            idx, targets = microbatches[op.microbatch] or (None, None)
+            if vs == 0:
+                x = idx
+            else:
+                x = comm.recv(mesh.pp_prev_rank, FORWARD_TAG).requires_grad_()
+            out = stage.forward_chunk(op.chunk, x, targets if vs == last_vs else None)
+            if vs == last_vs:
+                loss_sum += out.detach()
+                out = out / m
+            else:
+                comm.send(out, mesh.pp_next_rank, FORWARD_TAG)
+            inputs[key], outputs[key] = x, out
+        else:
+            x, out = inputs.pop(key), outputs.pop(key)
+            if vs == last_vs:
+                out.backward()
+            else:
+                grad = comm.recv(mesh.pp_next_rank, BACKWARD_TAG)
+                torch.autograd.backward(out, grad.to(out.dtype))
+            if vs > 0:
+                comm.send(x.grad, mesh.pp_prev_rank, BACKWARD_TAG)
+    comm.flush()
+    total_s = time.perf_counter() - t0
+    if pp > 1:  # every rank reports the step's loss (logging happens on rank 0, the first stage)
+        dist.broadcast(loss_sum, src=mesh.rank_at(mesh.dp_rank, pp - 1, mesh.tp_rank), group=mesh.pp_group)
+    return StepResult((loss_sum / m).item(), comm.wait_s, total_s)

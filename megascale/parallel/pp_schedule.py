@@ -1,0 +1,161 @@
+"""Pipeline schedules as pure lists of operations, and a unit-cost simulator to check them.
+
+A schedule is, per pipeline rank, the order in which it runs forward (F) and backward (B)
+passes of (micro-batch, model chunk). Writing it as data, not as control flow, lets the
+tests compare it with Megatron-Core's schedules without processes, lets the simulator prove
+it free of deadlock before a single message is sent, and leaves the executor
+(`pipeline.py`) one loop that serves every schedule.
+
+* "afab": all forwards, then all backwards (GPipe). The reference: the simplest correct
+  order, and the most activation memory (m micro-batches in flight).
+* "1f1b": PipeDream-flush / Megatron's non-interleaved schedule. Rank r runs pp - r - 1
+  warm-up forwards, then alternates one forward and one backward, then drains the
+  backwards. Same bubble as afab, (p - 1) / (m + p - 1), but at most pp micro-batches of
+  activations alive.
+* "interleaved": Megatron's interleaved 1F1B (Narayanan et al. 2021). Each rank holds vpp
+  non-adjacent chunks (chunk c of rank r is virtual stage c * pp + r), so a micro-batch
+  crosses the ranks vpp times and the bubble shrinks to (p - 1) / (v m + p - 1), for vpp
+  times more point-to-point messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("afab", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F" or "B"
+    microbatch: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}.{self.chunk}"
+
+
+def afab(pp: int, rank: int, m: int, vpp: int = 1) -> list[Op]:
+    """All forwards chunk by chunk, then all backwards in reverse chunk order."""
+    fwd = [Op("F", mb, c) for c in range(vpp) for mb in range(m)]
+    bwd = [Op("B", mb, c) for c in reversed(range(vpp)) for mb in range(m)]
+    return fwd + bwd
+
+
+def one_f_one_b(pp: int, rank: int, m: int) -> list[Op]:
+    """Megatron's forward_backward_pipelining_without_interleaving, as an op list."""
+    warmup = min(pp - rank - 1, m)
+    ops = [Op("F", mb) for mb in range(warmup)]
+    for i in range(m - warmup):
+        ops += [Op("F", warmup + i), Op("B", i)]
+    return ops + [Op("B", mb) for mb in range(m - warmup, m)]
+
+
+def interleaved_warmup(pp: int, rank: int, m: int, vpp: int) -> int:
+    """Warm-up forwards of rank r: enough for the first backward to find its inputs ready.
+
+    With m == pp everything is warm-up (Megatron's all_warmup_microbatches): the steady
+    phase would have no forward left to pair with a backward.
+    """
+    total = m * vpp
+    if m == pp:
+        return total
+    return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+
+
+def interleaved_op(k: int, pp: int, vpp: int, forward: bool) -> Op:
+    """The k-th forward (or backward) of a rank: Megatron's micro-batch -> model-chunk mapping.
+
+    Micro-batches go in groups of pp: each group runs through chunk 0, then chunk 1, ...
+    (backwards: the last chunk first), so a rank always has pp micro-batches' worth of work
+    in a chunk before it needs the previous chunk's result from the last rank.
+    """
+    in_group = k % (pp * vpp)
+    chunk = in_group // pp
+    microbatch = (k // (pp * vpp)) * pp + k % pp
+    return Op("F" if forward else "B", microbatch, chunk if forward else vpp - 1 - chunk)
+
+
+def interleaved(pp: int, rank: int, m: int, vpp: int) -> list[Op]:
+    """Megatron's forward_backward_pipelining_with_interleaving, as an op list (m % pp == 0)."""
+    total, warmup = m * vpp, interleaved_warmup(pp, rank, m, vpp)
+    ops = [interleaved_op(k, pp, vpp, True) for k in range(warmup)]
+    for k in range(total - warmup):
+        ops += [interleaved_op(k + warmup, pp, vpp, True), interleaved_op(k, pp, vpp, False)]
+    return ops + [interleaved_op(k, pp, vpp, False) for k in range(total - warmup, total)]
+
+
+def schedule_ops(name: str, pp: int, rank: int, m: int, vpp: int = 1) -> list[Op]:
+    """The op list of one rank; the arguments are checked by `pp_stage.check_pipeline`."""
+    if name == "afab":
+        return afab(pp, rank, m, vpp)
+    if name == "1f1b":
+        return one_f_one_b(pp, rank, m)
+    if name == "interleaved":
+        return interleaved(pp, rank, m, vpp)
+    raise ValueError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
+
+
+def theoretical_bubble(pp: int, m: int, vpp: int = 1) -> float:
+    """Idle fraction of an ideal pipeline (equal stages, free communication): (p-1) / (v m + p - 1)."""
+    return (pp - 1) / (vpp * m + pp - 1)
+
+
+def simulate(name: str, pp: int, m: int, vpp: int = 1, f: float = 1.0, b: float = 2.0) -> float:
+    """Run the schedule with unit costs (F takes f, B takes b, messages are free); the idle fraction.
+
+    Every rank does the same work (m * vpp forwards and backwards of equal chunks), so the
+    idle fraction of each is 1 - work / makespan; with f and b per whole stage it equals
+    `theoretical_bubble` for these schedules.
+
+    Raises RuntimeError on a deadlock (no rank can run its next op), and when a channel's
+    messages would be received in another order than they were sent: the executor matches
+    messages per (sender, receiver, direction) in order, as NCCL and gloo do.
+    """
+    ops = [schedule_ops(name, pp, r, m, vpp) for r in range(pp)]
+    last = pp * vpp - 1
+    done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, virtual stage) -> finish time
+    clock, pos = [0.0] * pp, [0] * pp
+    while any(pos[r] < len(ops[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            if pos[r] == len(ops[r]):
+                continue
+            op = ops[r][pos[r]]
+            vs = op.chunk * pp + r
+            if op.kind == "F":
+                deps = [("F", op.microbatch, vs - 1)] if vs > 0 else []
+            else:
+                deps = [("F", op.microbatch, vs)] + ([("B", op.microbatch, vs + 1)] if vs < last else [])
+            if all(d in done for d in deps):
+                start = max([clock[r]] + [done[d] for d in deps])
+                clock[r] = start + (f if op.kind == "F" else b)
+                done[(op.kind, op.microbatch, vs)] = clock[r]
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(ops[r][pos[r]]) for r in range(pp) if pos[r] < len(ops[r])}
+            raise RuntimeError(f"{name} pp={pp} m={m} vpp={vpp}: deadlock, waiting ops {stuck}")
+    _check_message_order(ops, pp, vpp)
+    return 1.0 - m * vpp * (f + b) / max(clock)
+
+
+def _check_message_order(ops: list[list[Op]], pp: int, vpp: int) -> None:
+    """Every channel (src, dst, kind) carries its messages in the order the receiver consumes them."""
+    last = pp * vpp - 1
+    sent: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
+    received: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
+    for r, rank_ops in enumerate(ops):
+        for op in rank_ops:
+            vs = op.chunk * pp + r
+            if op.kind == "F" and vs < last:
+                sent.setdefault((r, (r + 1) % pp, "F"), []).append((op.microbatch, vs + 1))
+            if op.kind == "F" and vs > 0:
+                received.setdefault(((r - 1) % pp, r, "F"), []).append((op.microbatch, vs))
+            if op.kind == "B" and vs > 0:
+                sent.setdefault((r, (r - 1) % pp, "B"), []).append((op.microbatch, vs - 1))
+            if op.kind == "B" and vs < last:
+                received.setdefault(((r + 1) % pp, r, "B"), []).append((op.microbatch, vs))
+    if sent != received:
+        bad = sorted(k for k in sent.keys() | received.keys() if sent.get(k) != received.get(k))
+        raise RuntimeError(f"messages would be matched out of order on channels {bad}")
