@@ -184,3 +184,21 @@ def test_pipeline_step_checks_before_sending_anything():
     stage = PipelineStage(cfg, Mesh(dp=1, pp=2, tp=1, rank=0))  # no process group: must not be reached
     with pytest.raises(ConfigError, match="fewer than parallel.pp=2"):
         pipeline_step(stage, [None], micro_batch=1)
+
+
+def test_forward_context_wraps_each_forward_only():
+    """The Trainer's autocast goes around forwards, as on one process; backward runs outside it."""
+    import contextlib
+
+    cfg = ModelConfig(vocab_size=37, seq_len=8, n_layers=2, d_model=16, n_heads=2)
+    stage = PipelineStage(cfg, Mesh(1, 1, 1, 0))
+    entered = []
+
+    @contextlib.contextmanager
+    def ctx():
+        entered.append(torch.is_grad_enabled())
+        yield
+
+    tokens = torch.randint(0, 37, (3, 9))
+    pipeline_step(stage, [(t[None, :-1], t[None, 1:]) for t in tokens], micro_batch=1, forward_context=ctx)
+    assert len(entered) == 3

@@ -3,6 +3,7 @@
 One step on every rank of the mesh (dp and tp ranks too), after zero_grad:
 
     stage = PipelineStage(cfg.model, mesh, cfg.parallel.vpp, factory)   # once; factory: TP or None
+    parallelize(stage, factory)                                          # under TP, as for the GPT
     load_stage_state_dict(stage, full)                                   # optional: one-process weights
     ...
     result = pipeline_step(stage, microbatches, micro_batch, schedule)   # forwards + backwards
@@ -23,7 +24,8 @@ on one process does, so gradients equal one process's.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -89,8 +91,13 @@ def pipeline_step(
     micro_batch: int,
     schedule: str | None = None,
     sequence_parallel: bool = False,
+    forward_context: Callable[[], AbstractContextManager] | None = None,
 ) -> StepResult:
-    """Forwards and backwards of one step on this rank; gradients accumulate in the stage's parameters."""
+    """Forwards and backwards of one step on this rank; gradients accumulate in the stage's parameters.
+
+    forward_context (e.g. the Trainer's autocast) is entered around each forward only, as the
+    Trainer does on one process: backward runs outside it.
+    """
     mesh, m = stage.mesh, len(microbatches)
     pp, vpp = mesh.pp, stage.vpp
     layout = ParallelConfig(tp=mesh.tp, pp=pp, dp=mesh.dp, vpp=vpp, sequence_parallel=sequence_parallel)
@@ -111,7 +118,8 @@ def pipeline_step(
                 x = idx
             else:
                 x = comm.recv(mesh.pp_prev_rank, FORWARD_TAG).requires_grad_()
-            out = stage.forward_chunk(op.chunk, x, targets if vs == last_vs else None)
+            with forward_context() if forward_context else nullcontext():
+                out = stage.forward_chunk(op.chunk, x, targets if vs == last_vs else None)
             if vs == last_vs:
                 loss_sum += out.detach()
                 out = out / m
