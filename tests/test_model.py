@@ -80,7 +80,7 @@ def ref_mlp(cfg, mlp, x):
     if cfg.style == "llama":  # features ordered (ffn, [gate, up])
         gate, up = h[..., 0::2], h[..., 1::2]
         return ref_linear(mlp.fc_out, gate * torch.sigmoid(gate) * up)
-    gelu = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+    gelu = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
     return ref_linear(mlp.fc_out, gelu)
 
 
