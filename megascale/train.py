@@ -12,6 +12,16 @@ uninterrupted one: same losses, same data order, same random numbers.
 
 Everything that can be wrong with the user's input (config, data, tokenizer, checkpoint) is
 checked before the run directory is written to.
+
+Parallel runs: started by torchrun or `megascale train --nproc N` (which set RANK,
+WORLD_SIZE, ...), each process builds a Trainer for the same config. The process group and
+the (dp, pp, tp) mesh are set up here, the rank's model, optimizer and step come from
+`parallel.engine.ParallelEngine`, and this loop stays the same: the loss it reports is the
+job's (the dp mean; under pp the last stage's), tokens/s counts the whole job, MFU divides by
+world_size devices, and only global rank 0 prints, logs and writes config.toml and metrics.
+Every rank agrees on user errors, on stopping (a signal on any rank stops all after the
+same step) and saves its part of each checkpoint (checkpoint/parallel.py). A world of one
+process takes exactly the single-process path.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,17 +40,24 @@ import torch
 from megascale.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    load_parallel_checkpoint,
     rng_state,
     save_checkpoint,
+    save_parallel_checkpoint,
     set_rng_state,
 )
-from megascale.config import Config, ConfigError
+from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import BatchLoader, build_tokenizer, ensure_dataset, open_splits
+from megascale.distributed.init import agree_on_user_errors, init_distributed
 from megascale.errors import UserError
 from megascale.model import GPT
 from megascale.observe.metrics import MetricsLogger
 from megascale.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
-from megascale.perf.hardware import peak_flops
+from megascale.perf.flops import flops_per_token
+from megascale.perf.hardware import measure_cpu_peak, peak_flops
+
+if TYPE_CHECKING:
+    from megascale.parallel.engine import ParallelEngine
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -67,47 +84,118 @@ def resolve_device(name: str) -> torch.device:
 class Trainer:
     def __init__(self, cfg: Config, *, resume: bool | None = None, quiet: bool = False):
         self.cfg = cfg
-        self.quiet = quiet
         t, m = cfg.train, cfg.model
         self.device = resolve_device(t.device)
+        # torchrun / --nproc: join the process group (nothing happens for a single process)
+        self.dist = init_distributed(self.device)
+        self.world_size, self.is_main = self.dist.world_size, self.dist.is_main
+        self.quiet = quiet or not self.is_main
+        if self.world_size > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", self.dist.local_rank)
+        check_world_size(cfg, self.world_size, "the number of processes (WORLD_SIZE)")
         self.run_dir = Path(t.run_dir)
+        self.engine: ParallelEngine | None = None
+        self.mesh = None
 
-        # --- inputs first: nothing is written to the run directory until they are known good
-        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        if m.vocab_size == 0:
-            m.vocab_size = self.tokenizer.vocab_size
-        elif m.vocab_size < self.tokenizer.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's vocabulary "
-                f"({self.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})"
-            )
-        prefix = ensure_dataset(cfg.data, progress=cfg.log.progress and not quiet)
-        self.train_samples, self.val_samples = open_splits(prefix, cfg.data, m.seq_len)
-        if len(self.train_samples) < t.global_batch:
-            raise UserError(
-                f"data.path: {prefix} has {len(self.train_samples)} training samples of "
-                f"{m.seq_len + 1} tokens, fewer than one global batch ({t.global_batch})"
-            )
-        self.ckpt_path = self._find_checkpoint(resume)
-        self.ckpt = load_checkpoint(self.ckpt_path) if self.ckpt_path else None
+        # --- inputs first: nothing is written to the run directory until they are known good.
+        # Every rank checks them; a user error on any rank stops all, with one message.
+        prefix = None
+        with agree_on_user_errors(self.dist):
+            self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+            if m.vocab_size == 0:
+                m.vocab_size = self.tokenizer.vocab_size
+            elif m.vocab_size < self.tokenizer.vocab_size:
+                raise ConfigError(
+                    f"model.vocab_size: {m.vocab_size} is smaller than the tokenizer's vocabulary "
+                    f"({self.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})"
+                )
+            if self.is_main:  # rank 0 tokenises a missing dataset; the others wait, then open it
+                prefix = ensure_dataset(cfg.data, progress=cfg.log.progress and not self.quiet)
+        with agree_on_user_errors(self.dist):
+            if prefix is None:
+                prefix = ensure_dataset(cfg.data, progress=False)
+            self.train_samples, self.val_samples = open_splits(prefix, cfg.data, m.seq_len)
+            if len(self.train_samples) < t.global_batch:
+                raise UserError(
+                    f"data.path: {prefix} has {len(self.train_samples)} training samples of "
+                    f"{m.seq_len + 1} tokens, fewer than one global batch ({t.global_batch})"
+                )
+            self.ckpt_path = self._find_checkpoint(resume)
+            self.ckpt, self._rank_ckpt = None, None
+            if self.ckpt_path and self.world_size > 1:
+                self.ckpt, self._rank_ckpt = load_parallel_checkpoint(self.ckpt_path, self.dist.rank)
+                self._check_layout(self.ckpt)
+            elif self.ckpt_path:
+                self.ckpt = load_checkpoint(self.ckpt_path)
 
         # --- build: the same seed gives the same initial weights in every run
         torch.manual_seed(t.seed)
         self.model_dtype = torch.float64 if t.dtype == "fp64" else torch.float32
-        self.model = GPT(m).to(device=self.device, dtype=self.model_dtype)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed, prefetch=2)
+        if self.world_size == 1:
+            self.model = GPT(m).to(device=self.device, dtype=self.model_dtype)
+            self.optimizer = build_optimizer(self.model, cfg.optim)
+            self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed, prefetch=2)
+            self.step = 0
+            if self.ckpt is not None:
+                self._restore(self.ckpt)
+            self._forward = torch.compile(self.model) if t.compile else self.model
+            self.n_micro = t.global_batch // t.micro_batch
+            self._num_params = self.model.num_params()
+        else:
+            self._build_parallel()
+
+        self.tokens_per_step = t.global_batch * m.seq_len  # the whole job's, every layout
+        self.flops_per_token = flops_per_token(m, training=True)
+        self.peak = self._peak_flops()  # per device; MFU divides by world_size of them
+        self._stop_signal: int | None = None
+        self._stop_agreed: int | None = None  # parallel: the signal every rank stops for
+
+    def _peak_flops(self) -> float:
+        cfg, t = self.cfg, self.cfg.train
+        if cfg.log.peak_flops or self.world_size == 1 or self.device.type != "cpu":
+            return peak_flops(self.device.type if self.device.type == "cpu" else _gpu_name(), t.dtype,
+                              override=cfg.log.peak_flops or None)
+        box = [peak_flops("cpu", t.dtype) if self.is_main else None]  # one CPU probe, not one per rank
+        torch.distributed.broadcast_object_list(box, src=0)
+        return float(box[0])
+
+    def _build_parallel(self) -> None:
+        """Mesh, this rank's model (from the one-process initial weights), optimizer and loader."""
+        from megascale.parallel.engine import ParallelEngine
+        from megascale.parallel.mesh import Mesh
+
+        cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
+        self.mesh = Mesh.build(cfg.parallel)
+        if self.ckpt is not None:
+            full = self.ckpt["model"]
+        else:  # the serial GPT of this seed, on CPU: every layout starts from the weights one process has
+            full = GPT(m).to(self.model_dtype).state_dict()
+        try:
+            self.engine = ParallelEngine(cfg, self.mesh, self.device, self.model_dtype, full)
+        except (KeyError, ValueError, RuntimeError) as e:  # same dict, same config: every rank fails here
+            if self.ckpt is None:
+                raise
+            raise UserError(f"checkpoint {self.ckpt_path}: does not match the model config "
+                            f"({str(e).strip().splitlines()[0]})") from None
+        self.model, self.optimizer = self.engine.model, self.engine.optimizer
+        self.n_micro = self.engine.n_micro  # micro-batches per step on each dp rank
+        self._num_params = sum(v.numel() for k, v in full.items()
+                               if not (m.tie_embeddings and k == "head.weight"))
+        del full
+        self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed,
+                                  dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp, prefetch=2)
         self.step = 0
         if self.ckpt is not None:
-            self._restore(self.ckpt)
-        self._forward = torch.compile(self.model) if t.compile else self.model
-
-        self.n_micro = t.global_batch // t.micro_batch
-        self.tokens_per_step = t.global_batch * m.seq_len
-        self.flops_per_token = self.model.flops_per_token(training=True)
-        self.peak = peak_flops(self.device.type if self.device.type == "cpu" else _gpu_name(), t.dtype,
-                               override=cfg.log.peak_flops or None)
-        self._stop_signal: int | None = None
+            with agree_on_user_errors(self.dist):
+                try:
+                    self.optimizer.load_state_dict(self._rank_ckpt["optimizer"])
+                except (KeyError, ValueError) as e:
+                    raise UserError(f"checkpoint {self.ckpt_path}: the optimizer state of rank "
+                                    f"{self.dist.rank} does not fit this run ({e})") from None
+            self.loader.load_state_dict(self.ckpt["loader"])
+            set_rng_state(self._rank_ckpt["rng"])
+            self.step = self.ckpt["step"]
+        self._rank_ckpt = None
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -119,7 +207,22 @@ class Trainer:
             return None
         return found
 
+    def _check_layout(self, state: dict[str, Any]) -> None:
+        from megascale.parallel.engine import layout_of
+
+        saved, here = state["parallel"], layout_of(self.cfg)
+        if saved != here:
+            diff = ", ".join(f"parallel.{k}={saved.get(k)} there, {here.get(k)} here"
+                             for k in sorted(saved.keys() | here.keys()) if saved.get(k) != here.get(k))
+            raise UserError(f"checkpoint {self.ckpt_path}: saved by another parallel layout ({diff}); resume "
+                            "with the same parallel.* settings, or start fresh with checkpoint.resume=false")
+
     def _restore(self, state: dict[str, Any]) -> None:
+        if "parallel" in state:
+            p = state["parallel"]
+            raise UserError(f"checkpoint {self.ckpt_path}: saved by a parallel run (tp={p['tp']}, "
+                            f"pp={p['pp']}, dp={p['dp']}); resume it with the same layout "
+                            "(megascale train --nproc ...)")
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as e:
@@ -144,7 +247,32 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        return save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=self.cfg.checkpoint.keep)
+        """Write a checkpoint (collective in a parallel run: every rank must call it)."""
+        if self.engine is None:
+            return save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=self.cfg.checkpoint.keep)
+        from megascale.parallel.engine import layout_of
+
+        full = self.engine.full_model_state()  # replica 0's model-parallel ranks gather it
+        shared = None
+        if self.is_main:
+            shared = {"step": self.step, "model": full, "optimizer": "sharded: optim_rank*.pt",
+                      "loader": self.loader.state_dict(), "rng": rng_state(), "config": self.cfg.to_dict(),
+                      "parallel": layout_of(self.cfg)}
+        del full
+        own = {"optimizer": self.optimizer.state_dict(), "rng": rng_state(), "step": self.step}
+        return save_parallel_checkpoint(self.run_dir, self.step, shared, own, keep=self.cfg.checkpoint.keep)
+
+    def full_model(self) -> GPT | None:
+        """The trained model as one GPT (for sampling): the model itself on one process; in a parallel
+        run gathered from the ranks (collective) and returned on rank 0 only."""
+        if self.engine is None:
+            return self.model
+        full = self.engine.full_model_state()
+        if not self.is_main:
+            return None
+        model = GPT(self.cfg.model).to(dtype=self.model_dtype)
+        model.load_state_dict(full)
+        return model
 
     def _autocast(self):
         if self.cfg.train.dtype == "bf16":
@@ -155,6 +283,8 @@ class Trainer:
 
     def train_step(self) -> StepStats:
         """One optimizer step: accumulate gradients over the micro-batches, clip, update."""
+        if self.engine is not None:
+            return self._parallel_step()
         t0 = time.perf_counter()
         cfg = self.cfg
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
@@ -180,15 +310,46 @@ class Trainer:
         loss_value = (loss_sum / self.n_micro).item()  # .item() syncs: the step time below is real
         dt = time.perf_counter() - t0
         tps = self.tokens_per_step / dt
+        if tps * self.flops_per_token > self.peak and self.device.type == "cpu" and not cfg.log.peak_flops:
+            # Faster than the cached peak: that probe ran on a busy machine. Measure again.
+            self.peak = max(tps * self.flops_per_token, measure_cpu_peak(cfg.train.dtype, refresh=True))
         return StepStats(self.step, loss_value, lr, float(grad_norm), dt, tps,
                          tps * self.flops_per_token / self.peak)
+
+    def _parallel_step(self) -> StepStats:
+        """train_step on a (dp, pp, tp) layout: the same step, through the engine; ends with the one
+        all-reduce that gives every rank the job's loss and the agreed stop flag."""
+        t0 = time.perf_counter()
+        cfg, engine = self.cfg, self.engine
+        lr = lr_at(self.step, cfg.optim, cfg.train.steps)
+        set_lr(self.optimizer, lr)
+        x, y = self.loader.next_batch()  # this dp rank's rows of the global batch
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.model.train()
+        local_loss = engine.forward_backward(x, y, self._autocast)
+        grad_norm = engine.clip_grads(cfg.optim.grad_clip)  # global: the same on every rank
+        if torch.isfinite(grad_norm):
+            engine.step()
+        else:
+            self._log_print(f"step {self.step + 1}: non-finite gradient norm, update skipped")
+        engine.zero_grad()
+        self.step += 1
+        loss_value, self._stop_agreed = engine.agree(local_loss, self._stop_signal)
+        dt = time.perf_counter() - t0
+        tps = self.tokens_per_step / dt
+        return StepStats(self.step, loss_value, lr, float(grad_norm), dt, tps,
+                         tps * self.flops_per_token / (self.peak * self.world_size))
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the first `eval_batches` validation micro-batches (a fixed set)."""
-        self.model.eval()
         mb, n = self.cfg.train.micro_batch, len(self.val_samples)
         batches = min(self.cfg.train.eval_batches, n // mb)
+        if self.engine is not None:  # split over dp, through the pipeline: the same set and mean
+            if batches == 0:
+                return float("nan")
+            return self.engine.evaluate(self.val_samples, batches, self._autocast)
+        self.model.eval()
         if batches == 0:
             return float("nan")
         total = 0.0
@@ -205,9 +366,12 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         end = t.steps if max_steps is None else min(t.steps, self.step + max_steps)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        _write_atomic(self.run_dir / "config.toml", cfg.to_toml())
-        logger = MetricsLogger(self.run_dir, cfg.log.jsonl, cfg.log.tensorboard,
-                               resume_step=self.step if self.ckpt is not None else None)
+        if self.is_main:  # one writer per run directory: global rank 0
+            _write_atomic(self.run_dir / "config.toml", cfg.to_toml())
+            logger = MetricsLogger(self.run_dir, cfg.log.jsonl, cfg.log.tensorboard,
+                                   resume_step=self.step if self.ckpt is not None else None)
+        else:
+            logger = _NoLogger()
         start_step = self.step
         self._banner(start_step)
         old_handlers = self._install_signal_handlers()
@@ -222,6 +386,8 @@ class Trainer:
                 rec = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                        "step_time": s.step_time, "tokens_per_s": s.tokens_per_s, "mfu": s.mfu,
                        "tokens": s.step * self.tokens_per_step}
+                if self.engine is not None and self.engine.pipelined:
+                    rec["bubble"] = self.engine.bubble  # rank 0's idle fraction in the pipeline
                 logger.log("train", rec)
                 self._show(bar, s)
                 if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.steps):
@@ -230,13 +396,13 @@ class Trainer:
                     self._log_print(f"step {s.step}: val loss {last_val:.4f}, ppl {_ppl(last_val):.2f}", bar)
                 if cfg.checkpoint.interval and s.step % cfg.checkpoint.interval == 0 and s.step < end:
                     self.save()
-                if self._stop_signal is not None:
+                if self._stopping() is not None:
                     break
-            interrupted = self._stop_signal is not None
+            interrupted = self._stopping() is not None
             if self.step > start_step or interrupted:
                 path = self.save()
                 if interrupted:
-                    self._log_print(f"stopped by {signal.Signals(self._stop_signal).name} after step "
+                    self._log_print(f"stopped by {signal.Signals(self._stopping()).name} after step "
                                     f"{self.step}; checkpoint {path}; run the same command to resume", bar)
         finally:
             if bar is not None:
@@ -246,6 +412,7 @@ class Trainer:
             self._restore_signal_handlers(old_handlers)
         seconds = time.perf_counter() - t_start
         med = float(np.median(times)) if times else float("nan")
+        peak = self.peak * self.world_size
         result = {
             "steps": self.step, "steps_run": self.step - start_step, "seconds": seconds,
             "tokens": self.step * self.tokens_per_step,
@@ -253,19 +420,24 @@ class Trainer:
             "val_loss": last_val, "losses": losses,
             "median_step_time": med,
             "tokens_per_s": self.tokens_per_step / med if times else float("nan"),
-            "mfu": self.tokens_per_step / med * self.flops_per_token / self.peak if times else float("nan"),
-            "interrupted": self._stop_signal is not None,
-            "stop_signal": self._stop_signal,
+            "mfu": self.tokens_per_step / med * self.flops_per_token / peak if times else float("nan"),
+            "interrupted": self._stopping() is not None,
+            "stop_signal": self._stopping(),
         }
         return result
+
+    def _stopping(self) -> int | None:
+        """The signal to stop for: this process's own, or in a parallel run the one all ranks agreed on
+        at the end of the last step (so that every rank stops after the same step)."""
+        return self._stop_signal if self.engine is None else self._stop_agreed
 
     # ------------------------------------------------------------------ output
 
     def _banner(self, start_step: int) -> None:
         if self.quiet:
             return
-        m, t = self.cfg.model, self.cfg.train
-        n = self.model.num_params()
+        m, t, p = self.cfg.model, self.cfg.train, self.cfg.parallel
+        n = self._num_params
         where = f"resumed from {self.ckpt_path} at step {start_step}" if self.ckpt else "fresh start"
         if self.device.type == "cpu" and t.dtype == "bf16" and not _cpu_has_bf16():
             print(f"warning: train.dtype=bf16 on a CPU without AVX512-BF16/AMX (capability "
@@ -278,6 +450,14 @@ class Trainer:
               f"peak {self.peak / 1e9:.0f} GFLOP/s; {where}")
         print(f"  unigram baseline: {unigram_entropy(self.train_samples, m.vocab_size):.3f} nats/token "
               f"(a model that learned nothing but token frequencies)")
+        if self.engine is not None:
+            pipe = (f", {p.resolved_schedule} schedule" + (f" x {p.vpp} chunks" if p.vpp > 1 else "")
+                    if p.pp > 1 else "")
+            dopt = ", distributed optimizer" if p.dp > 1 else ""
+            sp = " + sequence parallel" if p.sequence_parallel and p.tp > 1 else ""
+            print(f"  parallel: dp {p.dp} x pp {p.pp} x tp {p.tp}{sp} = {self.world_size} processes "
+                  f"({self.dist.backend}){pipe}{dopt}; "
+                  f"{self.n_micro} micro-batches of {t.micro_batch} per dp rank per step")
 
     def _progress_bar(self, start_step: int):
         if self.quiet or not self.cfg.log.progress:
@@ -323,6 +503,16 @@ class Trainer:
     def _restore_signal_handlers(old) -> None:
         for sig, h in old.items():
             signal.signal(sig, h)
+
+
+class _NoLogger:
+    """The metrics sink of ranks other than 0."""
+
+    def log(self, kind: str, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def unigram_entropy(samples, vocab_size: int, max_samples: int = 2000) -> float:

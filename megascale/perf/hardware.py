@@ -131,7 +131,8 @@ def measure_cpu_peak(
     `n` is an upper bound: a 256^3 trial is timed first and n is shrunk (in steps of 2x, not
     below 128) until one matmul is predicted to take at most ~0.5 s. That keeps the probe to a
     few seconds even for dtypes the CPU has no vector units for. `refresh` re-measures and
-    overwrites the cached figure (the calibration does, so MFU and the planner agree).
+    caches the better of the new and the cached figure (the calibration does, so MFU and the
+    planner agree; the trainer does when it sees a step faster than the cached peak).
     """
     import torch
 
@@ -149,6 +150,9 @@ def measure_cpu_peak(
     times = _time_matmul(torch, n, dt, runs=_PROBE_RUNS)
     peak = 2 * n**3 / min(times)
     if use_cache:
+        # Keep the best figure ever seen: a probe taken while other work shared the cores reads
+        # low, never high, and a low peak would inflate every MFU computed from it.
+        peak = max(peak, float(_read_cache().get(key) or 0.0))
         _write_cache(key, peak)
     return peak
 
