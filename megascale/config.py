@@ -64,10 +64,20 @@ class ParallelConfig:
     dp: int = 1  # data parallel size
     vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B)
     sequence_parallel: bool = False
+    # pipeline schedule: "auto" (1f1b, or interleaved when vpp > 1), "1f1b", "interleaved", "afab"
+    schedule: str = "auto"
+    dp_bucket_size: int = 40_000_000  # elements per gradient bucket of the distributed optimizer (dp > 1)
+    dp_overlap_grad_reduce: bool = True  # reduce-scatter buckets during backward (dp > 1, pp = 1)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def resolved_schedule(self) -> str:
+        if self.schedule != "auto":
+            return self.schedule
+        return "interleaved" if self.vpp > 1 else "1f1b"
 
 
 @dataclass
@@ -298,8 +308,10 @@ def validate(cfg: Config) -> None:
             f"train.micro_batch={t.micro_batch} x parallel.dp={p.dp}"
         )
 
-    for name in ("tp", "pp", "dp", "vpp"):
+    for name in ("tp", "pp", "dp", "vpp", "dp_bucket_size"):
         _positive(f"parallel.{name}", getattr(p, name))
+    _choice("parallel.schedule", p.schedule, ("auto", "1f1b", "interleaved", "afab"))
+    validate_layout(cfg)
 
     _positive("log.peak_flops", cfg.log.peak_flops, allow_zero=True)
     _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
@@ -310,6 +322,63 @@ def validate(cfg: Config) -> None:
     _positive("data.preprocess_workers", d.preprocess_workers)
     if not d.path:
         raise ConfigError("data.path: must name the dataset prefix (<path>.bin / <path>.idx)")
+
+
+def validate_layout(cfg: Config) -> None:
+    """What a (dp, pp, tp, vpp, sequence_parallel) layout needs of the model and the batch.
+
+    Pure arithmetic, so `megascale train --nproc N` checks it in the launching process before
+    any worker starts. The same rules as parallel.apply_tp.check_tp and
+    parallel.pp_stage.check_pipeline, which check them again where the model is built.
+    """
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if p.tp > 1:
+        if m.n_heads % p.tp:
+            raise ConfigError(f"parallel.tp: {p.tp} ranks do not split model.n_heads={m.n_heads} into "
+                              "whole heads")
+        if m.ffn_dim % p.tp:
+            raise ConfigError(f"parallel.tp: {p.tp} ranks do not split the MLP width {m.ffn_dim} "
+                              "(model.d_ff)")
+        if p.sequence_parallel and m.seq_len % p.tp:
+            raise ConfigError(f"parallel.sequence_parallel: model.seq_len={m.seq_len} does not split over "
+                              f"parallel.tp={p.tp}")
+    if p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp: {p.vpp} virtual stages need parallel.pp > 1 (interleaving is "
+                          "across pipeline ranks)")
+    schedule = p.resolved_schedule
+    if p.vpp > 1 and schedule == "1f1b":
+        raise ConfigError(f"parallel.schedule: 1f1b runs one chunk per rank; parallel.vpp={p.vpp} needs "
+                          "interleaved (or afab)")
+    if p.vpp == 1 and schedule == "interleaved":
+        raise ConfigError("parallel.schedule: interleaved needs parallel.vpp > 1")
+    if m.n_layers < p.pp * p.vpp:
+        raise ConfigError(f"model.n_layers: {m.n_layers} layers do not fill parallel.pp * parallel.vpp = "
+                          f"{p.pp * p.vpp} virtual stages (each needs at least one layer)")
+    if p.pp > 1 and t.global_batch % (t.micro_batch * p.dp) == 0:
+        micro = t.global_batch // (t.micro_batch * p.dp)
+        what = (f"{micro} micro-batches per step (train.global_batch={t.global_batch} / (train.micro_batch="
+                f"{t.micro_batch} x parallel.dp={p.dp}))")
+        if schedule == "1f1b" and micro < p.pp:
+            raise ConfigError(f"train.global_batch: {what} are fewer than parallel.pp={p.pp} stages; 1F1B "
+                              "needs at least one micro-batch per stage")
+        if schedule == "interleaved" and (micro < p.pp or micro % p.pp):
+            raise ConfigError(f"train.global_batch: {what} are not a multiple of parallel.pp={p.pp}, as "
+                              "the interleaved schedule requires")
+    if t.compile and p.world_size > 1:
+        raise ConfigError("train.compile: not supported with parallel layouts yet (tp * pp * dp > 1)")
+
+
+def check_world_size(cfg: Config, processes: int, source: str) -> None:
+    """The layout's tp * pp * dp must equal the number of processes (`source` names where it comes from)."""
+    p = cfg.parallel
+    if p.world_size == processes:
+        return
+    hint = ""
+    if processes == 1:
+        hint = (f"; run it with `megascale train --nproc {p.world_size} ...` or "
+                f"`torchrun --nproc-per-node {p.world_size} -m megascale train ...`")
+    raise ConfigError(f"parallel.tp * parallel.pp * parallel.dp = {p.tp} * {p.pp} * {p.dp} = {p.world_size} "
+                      f"must equal {source} = {processes}{hint}")
 
 
 def _toml_value(v: Any) -> str:

@@ -52,6 +52,25 @@ def test_round_trip_through_toml(tmp_path):
         (["train.steps=0"], "train.steps", "> 0"),
         (["model.dropout=1.5"], "model.dropout", "[0, 1)"),
         (["noequals"], "noequals", "section.field=value"),
+        # parallel layouts: checked before any process starts
+        (["parallel.tp=4"], "parallel.tp", "whole heads"),
+        (["model.d_model=128", "model.n_heads=4", "model.d_ff=101", "parallel.tp=2"],
+         "parallel.tp", "MLP width"),
+        (["model.seq_len=255", "parallel.tp=2", "parallel.sequence_parallel=true"],
+         "parallel.sequence_parallel", "does not split"),
+        (["parallel.vpp=2"], "parallel.vpp", "parallel.pp > 1"),
+        (["parallel.pp=4", "parallel.vpp=2"], "model.n_layers", "do not fill"),
+        (["parallel.pp=2", "train.global_batch=8", "train.micro_batch=8"], "train.global_batch",
+         "fewer than parallel.pp=2"),
+        (["parallel.pp=2", "parallel.vpp=2", "train.global_batch=24", "train.micro_batch=8"],
+         "train.global_batch", "multiple of parallel.pp=2"),
+        (["parallel.pp=2", "parallel.dp=2", "train.global_batch=32", "train.micro_batch=16"],
+         "train.global_batch", "1 micro-batches per step"),
+        (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=1f1b"], "parallel.schedule", "interleaved"),
+        (["parallel.pp=2", "parallel.schedule=interleaved"], "parallel.schedule", "parallel.vpp > 1"),
+        (["parallel.schedule=zigzag"], "parallel.schedule", "must be one of"),
+        (["parallel.dp_bucket_size=0"], "parallel.dp_bucket_size", "> 0"),
+        (["parallel.tp=2", "train.compile=true"], "train.compile", "parallel"),
     ],
 )
 def test_errors_name_field_and_reason(overrides, field, reason):
@@ -92,3 +111,15 @@ def test_print_config(tmp_path):
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "[model]" in r.stdout and "n_layers = 3" in r.stdout and "d_model = 96" in r.stdout
+
+
+def test_world_size_must_match_the_processes():
+    from megascale.config import check_world_size
+
+    cfg = load_config(None, ["parallel.tp=2", "parallel.dp=2"])
+    check_world_size(cfg, 4, "--nproc")
+    want = r"^parallel.tp \* parallel.pp \* parallel.dp = 2 \* 1 \* 2 = 4 must equal --nproc = 8$"
+    with pytest.raises(ConfigError, match=want):
+        check_world_size(cfg, 8, "--nproc")
+    with pytest.raises(ConfigError, match="megascale train --nproc 4"):
+        check_world_size(cfg, 1, "the number of processes")
