@@ -30,6 +30,8 @@ piece by piece: a piece belongs to its parameter's group. Per-step order, as a T
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -46,7 +48,9 @@ class DistributedOptimizer:
     """AdamW or Lamb over this rank's shard of the model's flat buffers (see the module docstring)."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                 overlap_grad_reduce: bool = True):
+                 overlap_grad_reduce: bool = True, norm_exclude: Iterable[Tensor] = ()):
+        """norm_exclude: parameters the global grad norm must not count (a pipeline's second copy of a
+        tied matrix, PipelineStage.norm_duplicates()); they are still updated."""
         groups = param_groups(model, cfg.weight_decay)  # the single-process groups: one source of truth
         if not groups:
             raise ValueError("DistributedOptimizer: the model has no trainable parameters")
@@ -56,6 +60,7 @@ class DistributedOptimizer:
                 raise TypeError(f"DistributedOptimizer: parameters must be float32 or float64, got {p.dtype} "
                                 "(train in bf16 with autocast, which keeps fp32 weights)")
         self.mesh, self.cfg = mesh, cfg
+        self._norm_exclude = {id(p) for p in norm_exclude}
         self.buffers = DPBuffers(self.params, mesh, bucket_size, overlap_grad_reduce)
         by_id = self.buffers.pieces()
         self.pieces: list[Piece] = [by_id[id(p)] for p in self.params]  # single-optimizer order
@@ -97,7 +102,8 @@ class DistributedOptimizer:
 
     def _grad_norm_reducer(self):
         mesh = self.mesh
-        counted = torch.tensor([is_split(p) or mesh.tp_rank == 0 for p in self.params])
+        counted = torch.tensor([(is_split(p) or mesh.tp_rank == 0) and id(p) not in self._norm_exclude
+                                for p in self.params])
 
         def reduce(sq: Tensor) -> Tensor:
             total = (sq * counted.to(sq.device)).sum()

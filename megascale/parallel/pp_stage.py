@@ -174,13 +174,30 @@ class PipelineStage(nn.Module):
 
     @torch.no_grad()
     def finish_grads(self) -> None:
-        """After the schedule's backwards: sum TP partial gradients, then the tied copies' gradients."""
+        """After the schedule's backwards: sum TP partial gradients, then the tied copies' gradients.
+
+        With the distributed optimizer call only `finish_tied_grads`: its finish_grad_sync sums the
+        TP partial gradients itself (on its shard).
+        """
         sync_partial_grads(self, self.mesh)
+        self.finish_tied_grads()
+
+    @torch.no_grad()
+    def finish_tied_grads(self) -> None:
+        """Sum the gradients of the two copies of a tied matrix (first and last stage); else nothing.
+
+        Under the distributed optimizer this must run before its reduce-scatter over dp: the two
+        copies lie at different places of their stages' buckets, so only whole gradients line up.
+        """
         if self.tied:
             w = self.tied_weight()
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
             dist.all_reduce(w.grad, group=self.embedding_group)
+
+    def norm_duplicates(self) -> list[Tensor]:
+        """Parameters a global grad norm must not count: the head's copy of a tied matrix."""
+        return [self.head.weight] if self.tied and self.head is not None else []
 
     def grad_norm_reducer(self, params: Iterable[Tensor]) -> Callable[[Tensor], Tensor]:
         """For clip_grad_norm_(params, ..., norm_reducer=...): each parameter of the model counted once.
@@ -190,10 +207,10 @@ class PipelineStage(nn.Module):
         """
         params = list(params)
         inner = grad_norm_reducer(params, self.mesh)
-        duplicate = self.head.weight if self.tied and self.head is not None else None
-        keep = [p is not duplicate for p in params if p.grad is not None]
+        duplicates = {id(p) for p in self.norm_duplicates()}
 
-        def reduce(sq: Tensor) -> Tensor:
+        def reduce(sq: Tensor) -> Tensor:  # the entries follow the parameters that have a gradient now
+            keep = [id(p) not in duplicates for p in params if p.grad is not None]
             return inner(sq * torch.tensor(keep, dtype=sq.dtype, device=sq.device))
 
         return reduce
