@@ -8,12 +8,15 @@ from megascale.checkpoint.local import (
     save_checkpoint,
     set_rng_state,
 )
+from megascale.checkpoint.parallel import load_parallel_checkpoint, save_parallel_checkpoint
 
 __all__ = [
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "load_parallel_checkpoint",
     "rng_state",
     "save_checkpoint",
+    "save_parallel_checkpoint",
     "set_rng_state",
 ]

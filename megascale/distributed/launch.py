@@ -1,0 +1,57 @@
+"""`megascale train --nproc N`: start N local worker processes through torch's elastic launcher.
+
+This is torchrun's own machinery (`torch.distributed.launcher.api.elastic_launch`), not a
+home-made process manager: the same rendezvous, environment variables and failure handling
+as `torchrun --nproc-per-node N -m megascale train ...`.
+
+Exit codes: 0 when every worker succeeded; 2 when the workers stopped on a user error (the
+workers agree on it and rank 0 printed it, once); 128 + n when the job was stopped by signal
+n (the agent forwards SIGINT/SIGTERM to the workers, which finish their step and save);
+otherwise the largest worker exit code, with torch's failure report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+
+from megascale.errors import UserError
+
+
+def launch_local(nproc: int, argv: list[str]) -> int:
+    """Run `python -m megascale <argv>` on `nproc` local processes; 0 if all succeeded."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nproc < 1:
+        raise UserError(f"--nproc: must be >= 1, got {nproc}")
+    # torchrun's default: one thread per worker unless told otherwise (N workers x all cores each
+    # would oversubscribe the machine); split the cores when there are more than workers.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"megascale-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+    )
+    # The agent logs its start-up and every worker's exit at WARNING/ERROR (each of its loggers
+    # sets its own level, so only a global switch quiets them): a user error is reported by rank 0
+    # itself, a signal by the exit code, and any other failure by the report printed below.
+    logging.disable(logging.ERROR)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "megascale", *argv)
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes == {2}:  # a user error on every rank: rank 0 has printed it
+            return 2
+        signalled = {c for c in codes if c > 128}
+        if signalled and codes <= signalled:
+            return max(signalled)
+        print(e.format_msg(), file=sys.stderr)
+        return max(codes) if max(codes) > 0 else 1
+    except SignalException as e:  # the agent was signalled; it has forwarded it and waited
+        return 128 + int(e.sigval)
+    finally:
+        logging.disable(logging.NOTSET)
+    return 0
