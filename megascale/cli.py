@@ -3,43 +3,82 @@
 Verbs: train, generate, preprocess, tokenizer train, plan. Every verb reports user mistakes
 (`UserError`: a bad config field, path, dataset, tokenizer or checkpoint) as one line on
 stderr and exits with code 2; anything else is a bug and keeps its traceback.
+
+`megascale train --nproc N ...` checks the config (layout included) here, then starts N
+workers through torch's elastic launcher, each running `megascale train ...` as torchrun
+would; `torchrun --nproc-per-node N -m megascale train ...` is the same job.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from megascale.errors import UserError
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from megascale.config import load_config
+    from megascale.config import check_world_size, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # validates the layout too, before any process starts
     if args.print_config:
         print(cfg.to_toml(), end="")
         return 0
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.nproc is not None:
+        if "LOCAL_RANK" in os.environ:
+            raise UserError("--nproc: this process was started by a launcher (torchrun) already; "
+                            "give the number of processes to one of them only")
+        check_world_size(cfg, args.nproc, "--nproc")
+        if args.nproc > 1:
+            from megascale.distributed.launch import launch_local
+
+            return launch_local(args.nproc, _worker_argv(args))
+    else:
+        check_world_size(cfg, launched, "the number of processes (WORLD_SIZE)")
+    from megascale.distributed.init import shutdown_distributed
     from megascale.train import Trainer
 
     resume = True if args.resume else (False if args.no_resume else None)
-    trainer = Trainer(cfg, resume=resume)
-    result = trainer.fit()
-    val = result["val_loss"]
-    val_text = f"val loss {val:.4f} (ppl {math.exp(val):.2f})" if math.isfinite(val) else "no validation"
-    print(f"done: {result['steps']} steps, train loss {result['train_loss']:.4f}, {val_text}, "
-          f"{result['tokens_per_s']:,.0f} tok/s (median), MFU {100 * result['mfu']:.1f}%, "
-          f"{result['seconds']:.0f}s")
-    if result["interrupted"]:
-        return 128 + result["stop_signal"]  # the shell convention for "stopped by a signal"
-    if cfg.log.sample_tokens:
-        from megascale.generate import sample_text
+    try:
+        trainer = Trainer(cfg, resume=resume)
+        result = trainer.fit()
+        main = trainer.is_main  # in a parallel run only global rank 0 prints
+        if main:
+            val = result["val_loss"]
+            val_text = (f"val loss {val:.4f} (ppl {math.exp(val):.2f})" if math.isfinite(val)
+                        else "no validation")
+            print(f"done: {result['steps']} steps, train loss {result['train_loss']:.4f}, {val_text}, "
+                  f"{result['tokens_per_s']:,.0f} tok/s (median), MFU {100 * result['mfu']:.1f}%, "
+                  f"{result['seconds']:.0f}s")
+        if result["interrupted"]:
+            return 128 + result["stop_signal"]  # the shell convention for "stopped by a signal"
+        if cfg.log.sample_tokens:
+            from megascale.generate import sample_text
 
-        text = sample_text(trainer.model, trainer.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens,
-                           temperature=0.8, top_k=50, seed=cfg.train.seed)
-        print(f"--- sample ({cfg.log.sample_tokens} tokens from {cfg.log.sample_prompt!r}) ---\n{text}\n---")
-    return 0
+            model = trainer.full_model()  # gathered from the ranks in a parallel run (collective)
+            if main:
+                text = sample_text(model, trainer.tokenizer, cfg.log.sample_prompt, cfg.log.sample_tokens,
+                                   temperature=0.8, top_k=50, seed=cfg.train.seed)
+                print(f"--- sample ({cfg.log.sample_tokens} tokens from {cfg.log.sample_prompt!r}) ---\n"
+                      f"{text}\n---")
+        return 0
+    finally:
+        shutdown_distributed()
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    """The `train` command line of each worker: this one without --nproc."""
+    argv = ["train"]
+    if args.config:
+        argv += ["--config", args.config]
+    if args.resume:
+        argv.append("--resume")
+    if args.no_resume:
+        argv.append("--no-resume")
+    return [*argv, *args.overrides]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -60,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="resume; fail if there is no checkpoint")
     g.add_argument("--no-resume", action="store_true", help="start fresh even if a checkpoint exists")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="start N local processes (torchrun's launcher) for a parallel layout: "
+                        "N must equal parallel.tp * parallel.pp * parallel.dp")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
     p.set_defaults(func=_cmd_train)
 
@@ -93,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"megascale {args.verb}: error: {e}", file=sys.stderr)
+        # In a parallel job every rank raises the same user error (the ranks agree on them):
+        # global rank 0 says it, once.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megascale {args.verb}: error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"megascale {args.verb}: interrupted", file=sys.stderr)
