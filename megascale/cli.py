@@ -15,8 +15,11 @@ import argparse
 import math
 import os
 import sys
+import time
 
 from megascale.errors import UserError
+
+_FOLLOWER_EXIT_DELAY_S = 5.0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -138,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         # In a parallel job every rank raises the same user error (the ranks agree on them):
         # global rank 0 says it, once.
         if os.environ.get("RANK", "0") == "0":
-            print(f"megascale {args.verb}: error: {e}", file=sys.stderr)
+            print(f"megascale {args.verb}: error: {e}", file=sys.stderr, flush=True)
+        else:
+            # Let rank 0 exit first: the launcher stops the other workers as soon as one exits
+            # with an error, and rank 0 must not be stopped before it has said why.
+            time.sleep(_FOLLOWER_EXIT_DELAY_S)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"megascale {args.verb}: interrupted", file=sys.stderr)

@@ -42,8 +42,11 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "megascale", *argv)
     except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        if codes == {2}:  # a user error on every rank: rank 0 has printed it
+        by_rank = {rank: f.exitcode for rank, f in e.failures.items()}
+        codes = set(by_rank.values())
+        # A user error on every rank: rank 0 printed it and exited first (the others wait a
+        # moment), and the agent may have stopped the rest (a negative code: killed by a signal).
+        if by_rank.get(0) == 2 and all(c == 2 or c < 0 for c in codes):
             return 2
         signalled = {c for c in codes if c > 128}
         if signalled and codes <= signalled:
