@@ -25,8 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import WorkerPool
+from _parity import SyntheticSamples, optim_config
 
-from megascale.config import ModelConfig, OptimConfig, ParallelConfig
+from megascale.config import ModelConfig, ParallelConfig
 from megascale.data.loader import BatchLoader
 from megascale.model import GPT
 from megascale.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
@@ -56,31 +57,9 @@ def model_config(style: str = "gpt", block: str = "sequential") -> ModelConfig:
                        block=block, bias=not llama, tie_embeddings=not llama)
 
 
-def optim_config(name: str) -> OptimConfig:
-    return OptimConfig(name=name, lr=1e-2, min_lr=1e-3, warmup_steps=3, weight_decay=0.1, grad_clip=0.5)
-
-
-class _Samples:
-    """In-memory stand-in for PackedSamples: a learnable token stream, rows of seq_len + 1 tokens."""
-
-    name, seq_len = "train", SEQ
-
-    def __init__(self, n: int = 128):
-        g = torch.Generator().manual_seed(0)
-        steps = torch.randint(1, 4, (n, SEQ + 1), generator=g)
-        self.tokens = (torch.randint(0, VOCAB, (n, 1), generator=g) + steps.cumsum(1)) % VOCAB
-        self.num_tokens = self.tokens.numel()
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def batch(self, indices) -> torch.Tensor:
-        return self.tokens[torch.as_tensor(indices)]
-
-
 def micro_batches(step: int, dp_rank: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This dp rank's rows of the global batch of `step`, in micro-batches of MICRO."""
-    samples = _Samples()
+    samples = SyntheticSamples(128, SEQ, VOCAB)
     loader = BatchLoader(samples, global_batch=GLOBAL_BATCH, seed=1, prefetch=0)
     tokens = samples.batch(loader.global_indices(step)[loader.local_slice(dp_rank, dp)])
     return [(t[:, :-1], t[:, 1:]) for t in tokens.split(MICRO)]

@@ -23,8 +23,9 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import WorkerPool
+from _parity import SyntheticSamples, optim_config
 
-from megascale.config import ModelConfig, OptimConfig, ParallelConfig
+from megascale.config import ModelConfig, ParallelConfig
 from megascale.data.loader import BatchLoader
 from megascale.model import GPT
 from megascale.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
@@ -47,30 +48,8 @@ def model_config(style: str, block: str, attention: str, recompute: bool = False
                        recompute=recompute)
 
 
-def optim_config(name: str) -> OptimConfig:
-    return OptimConfig(name=name, lr=1e-2, min_lr=1e-3, warmup_steps=3, weight_decay=0.1, grad_clip=0.5)
-
-
-class _Samples:
-    """In-memory stand-in for PackedSamples: rows of seq_len + 1 tokens of a learnable stream."""
-
-    name, seq_len = "train", SEQ
-
-    def __init__(self, n: int = 64):
-        g = torch.Generator().manual_seed(0)
-        steps = torch.randint(1, 4, (n, SEQ + 1), generator=g)
-        self.tokens = (torch.randint(0, VOCAB, (n, 1), generator=g) + steps.cumsum(1)) % VOCAB
-        self.num_tokens = self.tokens.numel()
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def batch(self, indices) -> torch.Tensor:
-        return self.tokens[torch.as_tensor(indices)]
-
-
 def step_microbatches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    samples = _Samples()
+    samples = SyntheticSamples(64, SEQ, VOCAB)
     loader = BatchLoader(samples, global_batch=BATCH, seed=1, prefetch=0)
     out = []
     for step in range(STEPS):

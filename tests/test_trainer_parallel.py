@@ -57,6 +57,8 @@ LAYOUTS = {
     "pp2-1f1b": (2, ["parallel.pp=2"], "llama-parallel", "lamb", "fp64", False),
     "pp2-vpp2-interleaved": (2, ["parallel.pp=2", "parallel.vpp=2"], "gpt-sliding", "adamw", "fp32", False),
     "dp2": (2, ["parallel.dp=2", "parallel.dp_bucket_size=3000"], "gpt-parallel", "lamb", "fp32", False),
+    "dp2-pp2": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.dp_bucket_size=3000"], "gpt-parallel",
+                "adamw", "fp32", False),
     "dp2-tp2-sp": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                        "parallel.dp_bucket_size=3000"], "llama-sliding", "adamw", "fp64", True),
     "dp2-pp2-tp2-sp": (8, ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2",
