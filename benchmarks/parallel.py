@@ -18,16 +18,13 @@ sits above the theory and the ordering of the layouts is what carries over to GP
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
-import socket
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from _gloo import run_on_gloo
 
 from megascale.config import load_config
 from megascale.data import ensure_dataset
@@ -78,34 +75,6 @@ def run_layouts(world: int, args: argparse.Namespace) -> list[tuple[str, float, 
     return out
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        results.put((rank, run_layouts(world, args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_world(world: int, args: argparse.Namespace) -> dict[int, list]:
-    if world == 1:
-        torch.set_num_threads(1)
-        return {0: run_layouts(1, args)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = dict(results.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -124,7 +93,7 @@ def main() -> None:
     print(f"{'world':>5} {'layout':>20} {'tokens/s':>9} {'vs 1':>5} {'theory':>7}  measured bubble per rank")
     reference = None
     for world in [1, *args.worlds]:
-        per_rank = run_world(world, args)
+        per_rank = run_on_gloo(world, run_layouts, args)
         for i, (name, step_s, _) in enumerate(per_rank[0]):
             tps = tokens / step_s
             reference = reference or tps

@@ -16,13 +16,11 @@ of the schedules is what to read there. One process (world 1) is the reference f
 from __future__ import annotations
 
 import argparse
-import datetime
-import multiprocessing as mp
-import socket
 import time
 
 import torch
 import torch.distributed as dist
+from _gloo import run_on_gloo
 
 from megascale.config import ModelConfig, ParallelConfig
 from megascale.parallel.mesh import Mesh
@@ -60,34 +58,6 @@ def run_schedules(pp: int, args: argparse.Namespace) -> list[tuple[str, int, flo
     return out
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, results: mp.Queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        results.put((rank, run_schedules(world, args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_world(world: int, args: argparse.Namespace) -> dict[int, list]:
-    if world == 1:
-        torch.set_num_threads(1)
-        return {0: run_schedules(1, args)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = dict(results.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -103,7 +73,7 @@ def main() -> None:
           f"sequence per step; gloo, one thread per rank")
     print(f"{'world':>5} {'schedule':>12} {'tokens/s':>9} {'theory':>7}  measured bubble per rank")
     for world in [1, *args.worlds]:
-        per_rank = run_world(world, args)
+        per_rank = run_on_gloo(world, run_schedules, args)
         for i, (name, vpp, _, _) in enumerate(per_rank[0]):
             step_s = max(per_rank[r][i][2] for r in per_rank)
             bubbles = " ".join(f"{per_rank[r][i][3]:.2f}" for r in sorted(per_rank))
