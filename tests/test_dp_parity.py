@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import WorkerPool
-from _parity import SyntheticSamples, optim_config
+from _parity import SyntheticSamples, optim_config, split_key_bias
 
 from megascale.config import ModelConfig, ParallelConfig
 from megascale.data.loader import BatchLoader
@@ -127,18 +127,6 @@ def dp_run(rank, mcfg, ocfg, dtype, tp, sp, overlap, init, dp=2):
     if rank:
         return losses, norms, None, None
     return losses, norms, {k: v.numpy() for k, v in weights.items()}, state
-
-
-def split_key_bias(weights: dict, mcfg: ModelConfig) -> dict:
-    """The key part of each fused qkv bias as an entry of its own ("<name>#key")."""
-    out = {}
-    for name, w in weights.items():
-        if name.endswith("attn.qkv.bias"):
-            qkv = w.view(mcfg.n_heads, 3, mcfg.head_dim)
-            out[name], out[name + "#key"] = qkv[:, ::2].flatten(), qkv[:, 1].flatten()
-        else:
-            out[name] = w
-    return out
 
 
 def check_parity(name, mcfg, ocfg, dtype, serial, results, tp=1):

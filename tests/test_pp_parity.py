@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import WorkerPool
-from _parity import SyntheticSamples, optim_config
+from _parity import SyntheticSamples, optim_config, split_key_bias
 
 from megascale.config import ModelConfig, ParallelConfig
 from megascale.data.loader import BatchLoader
@@ -110,18 +110,6 @@ def pipeline_run(rank, layout, schedule, mcfg, ocfg, dtype):
         bubbles.append(result.bubble)
     full = gather_stage_state_dict(stage)
     return losses, norms, sum(bubbles) / len(bubbles), full if rank == 0 else None
-
-
-def split_key_bias(weights: dict, mcfg: ModelConfig) -> dict:
-    """The key part of each fused qkv bias as an entry of its own ("<name>#key"); see the docstring."""
-    out = {}
-    for name, w in weights.items():
-        if name.endswith("attn.qkv.bias"):
-            qkv = w.view(mcfg.n_heads, 3, mcfg.head_dim)
-            out[name], out[name + "#key"] = qkv[:, ::2].flatten(), qkv[:, 1].flatten()
-        else:
-            out[name] = w
-    return out
 
 
 CASES = {

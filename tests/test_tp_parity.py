@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import WorkerPool
-from _parity import SyntheticSamples, optim_config
+from _parity import SyntheticSamples, optim_config, split_key_bias
 
 from megascale.config import ModelConfig, ParallelConfig
 from megascale.data.loader import BatchLoader
@@ -113,18 +113,6 @@ def tp_run(rank, mcfg, ocfg, dtype, sp, fused):
     )
     full = full_state_dict(model, mesh)
     return losses, norms, {k: v.numpy() for k, v in full.items()} if rank == 0 else None
-
-
-def split_key_bias(weights: dict, mcfg: ModelConfig) -> dict:
-    """The key part of each fused qkv bias as an entry of its own ("<name>#key"); see the docstring."""
-    out = {}
-    for name, w in weights.items():
-        if name.endswith("attn.qkv.bias"):
-            qkv = w.view(mcfg.n_heads, 3, mcfg.head_dim)
-            out[name], out[name + "#key"] = qkv[:, ::2].flatten(), qkv[:, 1].flatten()
-        else:
-            out[name] = w
-    return out
 
 
 # ---------------------------------------------------------------------------------------
