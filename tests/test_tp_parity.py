@@ -116,7 +116,6 @@ def tp_run(rank, mcfg, ocfg, dtype, sp, fused):
 
 
 # ---------------------------------------------------------------------------------------
-# ---------------------------------------------------------------------------------------
 
 CASES = {
     # name: (style, block, attention, sequence_parallel, fused parallel block, optimizer)
