@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONFIG ?= configs/cpu_default.toml
 ARGS ?=
 
-.PHONY: run test lint venv dev clean
+.PHONY: run test lint venv dev clean redis
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,15 @@ dev: $(VENV)/.installed-dev
 run: $(VENV)/.installed
 	$(BIN)/megascale train --config $(CONFIG) $(ARGS)
 
-test: $(VENV)/.installed-dev
+# The Redis store's tests run a real redis-server (Debian's package; CI is a clean Debian 12, as root).
+# The package lists are refreshed only when the install fails without them.
+redis:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
+	  $$SUDO apt-get install -y redis-server || \
+	  { $$SUDO apt-get update && $$SUDO apt-get install -y redis-server; }; }
+
+test: $(VENV)/.installed-dev redis
 	$(BIN)/ruff check megascale tests benchmarks
 	$(BIN)/python -m pytest $(ARGS)
 
