@@ -22,9 +22,11 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import ParallelConfig
+from megascale.distributed.groups import create_groups
 from megascale.errors import UserError
 
 DIMS = ("dp", "pp", "tp")
+GROUP_KINDS = ("tp", "pp", "dp", "mp", "emb")  # the order every rank creates its groups in
 
 
 def rank_grid(dp: int, pp: int, tp: int) -> torch.Tensor:
@@ -42,8 +44,10 @@ def coordinates(rank: int, dp: int, pp: int, tp: int) -> tuple[int, int, int]:
 def group_ranks(dp: int, pp: int, tp: int, kind: str) -> list[list[int]]:
     """Every group of one kind, as lists of global ranks, in the order all ranks create them.
 
-    kind: "tp", "pp", "dp", or "mp" (model parallel: the tp x pp ranks of one data-parallel
-    replica, which together hold one copy of the model, the group a global grad norm sums over).
+    kind: "tp", "pp", "dp", "mp" (model parallel: the tp x pp ranks of one data-parallel
+    replica, which together hold one copy of the model, the group a global grad norm sums over),
+    or "emb" (the first and last pipeline stage of each (dp, tp) coordinate, which sum the
+    gradients of a tied embedding; none when pp = 1).
     """
     g = rank_grid(dp, pp, tp)
     if kind == "tp":
@@ -54,8 +58,10 @@ def group_ranks(dp: int, pp: int, tp: int, kind: str) -> list[list[int]]:
         groups = g.permute(1, 2, 0).reshape(-1, dp)
     elif kind == "mp":
         groups = g.reshape(dp, pp * tp)
+    elif kind == "emb":
+        groups = g[:, [0, pp - 1], :].permute(0, 2, 1).reshape(-1, 2) if pp > 1 else g.reshape(-1, 1)
     else:
-        raise ValueError(f"group kind must be tp, pp, dp or mp, got {kind!r}")
+        raise ValueError(f"group kind must be tp, pp, dp, mp or emb, got {kind!r}")
     return groups.tolist()
 
 
@@ -79,13 +85,16 @@ class Mesh:
     pp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     mp_group: dist.ProcessGroup | None = None
+    emb_group: dist.ProcessGroup | None = None  # first + last stage (pp > 1): tied-embedding gradients
 
     @classmethod
-    def build(cls, cfg: ParallelConfig) -> Mesh:
+    def build(cls, cfg: ParallelConfig, group_init: str = "local") -> Mesh:
         """The mesh of this process. Every rank must call it, in the same order as the others.
 
         With cfg.world_size == 1 torch.distributed is not needed; otherwise it must already be
         initialised (by the launcher) with a world of exactly tp * pp * dp processes.
+        group_init: how the groups are created, "local" (ours) or "global" (the naive way);
+        see `megascale.distributed.groups`.
         """
         if cfg.world_size == 1 and not dist.is_initialized():
             return cls(1, 1, 1, 0)
@@ -93,8 +102,12 @@ class Mesh:
             check_world_size(cfg, 1)  # raises: a multi-rank layout on a single process
         check_world_size(cfg, dist.get_world_size())
         rank = dist.get_rank()
-        groups = {kind: _new_groups(cfg, kind, rank) for kind in ("tp", "pp", "dp", "mp")}
-        return cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in ("tp", "pp", "dp", "mp")))
+        groups = create_mesh_groups(cfg.dp, cfg.pp, cfg.tp, rank, group_init)
+        return cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in GROUP_KINDS))
+
+    def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
+        """This rank's groups, in creation order (None where there is none)."""
+        return self.tp_group, self.pp_group, self.dp_group, self.mp_group, self.emb_group
 
     # ---- coordinates
 
@@ -147,14 +160,16 @@ class Mesh:
         return f"Mesh(rank={self.rank}, dp={d}/{self.dp}, pp={p}/{self.pp}, tp={t}/{self.tp})"
 
 
-def _new_groups(cfg: ParallelConfig, kind: str, rank: int) -> dist.ProcessGroup | None:
-    """Create every group of a kind (all ranks must take part in each new_group) and keep ours."""
-    all_groups = group_ranks(cfg.dp, cfg.pp, cfg.tp, kind)
-    if len(all_groups[0]) == 1:
-        return None
-    mine = None
-    for ranks in all_groups:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
+
+def create_mesh_groups(dp: int, pp: int, tp: int, rank: int, mode: str = "local"
+                       ) -> dict[str, dist.ProcessGroup | None]:
+    """This rank's group of each kind (None for a dimension of size 1), created the `mode` way."""
+    layout = mesh_group_kinds(dp, pp, tp)
+    mine = create_groups(list(layout.values()), rank, mode)
+    return {kind: None for kind in GROUP_KINDS} | dict(zip(layout, mine, strict=True))
+
+
+def mesh_group_kinds(dp: int, pp: int, tp: int) -> dict[str, list[list[int]]]:
+    """The groups the mesh creates, kind by kind in creation order (none for a dimension of size 1)."""
+    layout = {kind: group_ranks(dp, pp, tp, kind) for kind in GROUP_KINDS}
+    return {kind: groups for kind, groups in layout.items() if len(groups[0]) > 1}

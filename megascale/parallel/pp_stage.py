@@ -143,7 +143,7 @@ class PipelineStage(nn.Module):
         if cfg.tie_embeddings and pp == 1:
             self.head.weight = self.embed.tok.weight
         GPT.init_weights(self)  # the GPT's rule reads only cfg, modules() and named_parameters()
-        self.embedding_group = embedding_group(mesh) if cfg.tie_embeddings and pp > 1 else None
+        self.embedding_group = mesh.emb_group if cfg.tie_embeddings and pp > 1 else None
         if self.tied:
             with torch.no_grad():
                 dist.broadcast(self.tied_weight(), src=mesh.rank_at(mesh.dp_rank, 0, mesh.tp_rank),
@@ -214,18 +214,6 @@ class PipelineStage(nn.Module):
             return inner(sq * torch.tensor(keep, dtype=sq.dtype, device=sq.device))
 
         return reduce
-
-
-def embedding_group(mesh: Mesh) -> dist.ProcessGroup:
-    """The (first stage, last stage) pair of every (dp, tp) coordinate; every rank creates all of them."""
-    mine = None
-    for d in range(mesh.dp):
-        for t in range(mesh.tp):
-            ranks = [mesh.rank_at(d, 0, t), mesh.rank_at(d, mesh.pp - 1, t)]
-            group = dist.new_group(ranks)
-            if mesh.rank in ranks:
-                mine = group
-    return mine
 
 
 # ---------------------------------------------------------------------------------------
