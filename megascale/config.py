@@ -137,6 +137,19 @@ class LogConfig:
 
 
 @dataclass
+class DistributedConfig:
+    # where the ranks meet: "tcp" (PyTorch's TCPStore, libuv server), "tcp-legacy" (its single-threaded
+    # server of torch < 2.4), or "redis://host:port/db" (password from MEGASCALE_REDIS_PASSWORD)
+    store: str = "tcp"
+    # "local": each rank creates only its own groups, members synchronise among themselves (MegaScale);
+    # "global": every rank creates every group with a barrier over all ranks (the naive way, to compare)
+    group_init: str = "local"
+    eager_init: bool = True  # GPU: bind the device at init, so NCCL builds communicators now and splits them
+    timeout_s: float = 600.0  # store operations and collectives at start-up
+    job_id: str = ""  # names this job's keys in a shared store; "": the launcher's run id
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -145,6 +158,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -322,6 +336,15 @@ def validate(cfg: Config) -> None:
     _positive("data.preprocess_workers", d.preprocess_workers)
     if not d.path:
         raise ConfigError("data.path: must name the dataset prefix (<path>.bin / <path>.idx)")
+
+    ds = cfg.distributed
+    if ds.store not in ("tcp", "tcp-legacy") and not ds.store.startswith("redis://"):
+        raise ConfigError(f"distributed.store: must be tcp, tcp-legacy or redis://host:port/db, "
+                          f"got {ds.store!r}")
+    _choice("distributed.group_init", ds.group_init, ("local", "global"))
+    _positive("distributed.timeout_s", ds.timeout_s)
+    if "/" in ds.job_id:
+        raise ConfigError(f"distributed.job_id: must not contain '/', got {ds.job_id!r}")
 
 
 def validate_layout(cfg: Config) -> None:

@@ -48,7 +48,7 @@ from megascale.checkpoint import (
 )
 from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import BatchLoader, build_tokenizer, ensure_dataset, open_splits
-from megascale.distributed.init import agree_on_user_errors, init_distributed
+from megascale.distributed.init import agree_on_user_errors, create_mesh, first_collective, init_distributed
 from megascale.errors import UserError
 from megascale.model import GPT
 from megascale.observe.metrics import MetricsLogger
@@ -87,7 +87,7 @@ class Trainer:
         t, m = cfg.train, cfg.model
         self.device = resolve_device(t.device)
         # torchrun / --nproc: join the process group (nothing happens for a single process)
-        self.dist = init_distributed(self.device)
+        self.dist = init_distributed(self.device, cfg.distributed)
         self.world_size, self.is_main = self.dist.world_size, self.dist.is_main
         self.quiet = quiet or not self.is_main
         if self.world_size > 1 and self.device.type == "cuda":
@@ -162,10 +162,10 @@ class Trainer:
     def _build_parallel(self) -> None:
         """Mesh, this rank's model (from the one-process initial weights), optimizer and loader."""
         from megascale.parallel.engine import ParallelEngine
-        from megascale.parallel.mesh import Mesh
 
         cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
-        self.mesh = Mesh.build(cfg.parallel)
+        self.mesh = create_mesh(self.dist, cfg.parallel, cfg.distributed)
+        first_collective(self.dist, self.mesh, self.device)
         if self.ckpt is not None:
             full = self.ckpt["model"]
         else:  # the serial GPT of this seed, on CPU: every layout starts from the weights one process has
@@ -458,6 +458,7 @@ class Trainer:
             print(f"  parallel: dp {p.dp} x pp {p.pp} x tp {p.tp}{sp} = {self.world_size} processes "
                   f"({self.dist.backend}){pipe}{dopt}; "
                   f"{self.n_micro} micro-batches of {t.micro_batch} per dp rank per step")
+            print(f"  start-up: {self.dist.startup_line()} ({self.cfg.distributed.group_init} group init)")
 
     def _progress_bar(self, start_step: int):
         if self.quiet or not self.cfg.log.progress:

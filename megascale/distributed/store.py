@@ -1,0 +1,86 @@
+"""Which key-value store the ranks meet in (`distributed.store`), and opening it.
+
+- "tcp": PyTorch's TCPStore with its libuv server (the default since torch 2.4). Under
+  torchrun or `--nproc` the launcher's agent already runs one for the job, and the ranks
+  use it; a job started by hand (MASTER_ADDR/MASTER_PORT, no agent) has rank 0 host it.
+- "tcp-legacy": the TCPStore server of torch < 2.4, one thread polling all sockets. Rank 0
+  hosts it (on MASTER_PORT without an agent, else on a free port it announces through the
+  agent's store). Kept to measure against.
+- "redis://host:port/db": a Redis server outside the job (`redis_store.RedisStore`): it
+  serves many clients at once, outlives a crashed rank 0, and serves many jobs. Password
+  from MEGASCALE_REDIS_PASSWORD.
+
+Every store is scoped to one job and one attempt (restart), so a restarted job or another
+job on the same store never reads a stale key: Redis by a key prefix, a shared TCPStore by a
+PrefixStore.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch.distributed as dist
+
+from megascale.errors import UserError
+
+
+def job_identity(job_id: str = "") -> tuple[str, int]:
+    """(job id, attempt): the launcher's run id and restart count, else MASTER_ADDR:MASTER_PORT."""
+    job = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or \
+        f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '0')}"
+    return job, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def open_store(spec: str, rank: int, world_size: int, timeout: datetime.timedelta,
+               job_id: str = "") -> tuple[dist.Store, str]:
+    """The job's store for this rank, and a few words saying which it is (for the start-up log)."""
+    if spec not in ("tcp", "tcp-legacy") and not spec.startswith("redis://"):
+        raise UserError(f"distributed.store: must be tcp, tcp-legacy or redis://host:port/db, got {spec!r}")
+    job, attempt = job_identity(job_id)
+    if spec.startswith("redis://"):
+        from megascale.distributed.redis_store import open_redis_store
+
+        store = open_redis_store(spec, job_id=job, attempt=attempt, timeout=timeout)
+        return store, f"redis at {store.address} (prefix {store.prefix})"
+
+    host, port = os.environ.get("MASTER_ADDR", "localhost"), int(os.environ.get("MASTER_PORT", "0"))
+    agent = _launcher_store(host, port, world_size, timeout)
+    if spec == "tcp" and agent is not None:
+        return dist.PrefixStore(f"megascale/{attempt}", agent), f"tcp (the launcher's, at {host}:{port})"
+    libuv = spec == "tcp"
+    kind = "libuv" if libuv else "legacy"
+    if agent is None:  # no launcher store: rank 0 hosts ours on MASTER_PORT, as torch's env:// does
+        try:
+            store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False,
+                                  multi_tenant=True, use_libuv=libuv)
+        except (RuntimeError, ValueError) as e:
+            raise UserError(f"distributed.store: cannot open a TCPStore at {host}:{port} "
+                            f"({str(e).splitlines()[0]})") from None
+        return store, f"tcp-{kind} (hosted by rank 0 at {host}:{port})"
+    # under a launcher: rank 0 hosts a second store on a free port and announces it in the first
+    key = f"megascale/{attempt}/{kind}_store"
+    if rank == 0:
+        store = dist.TCPStore(_my_address(host), 0, world_size, True, timeout=timeout, wait_for_workers=False,
+                              use_libuv=libuv)
+        agent.set(key, f"{store.host}:{store.port}")
+    else:
+        where = agent.get(key).decode()
+        store_host, store_port = where.rsplit(":", 1)
+        store = dist.TCPStore(store_host, int(store_port), world_size, False, timeout=timeout,
+                              use_libuv=libuv)
+    return store, f"tcp-{kind} (hosted by rank 0 at {store.host}:{store.port})"
+
+
+def _launcher_store(host: str, port: int, world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE), which every worker joins as a client."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+
+
+def _my_address(master_addr: str) -> str:
+    """Where the other ranks reach rank 0: the master address on one machine, else rank 0's hostname."""
+    one_machine = os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+    return master_addr if one_machine else socket.getfqdn()
