@@ -16,12 +16,12 @@ import multiprocessing as mp
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import _free_port
 
 from megascale.distributed.groups import create_groups
 from megascale.distributed.recording_store import RecordingStore
 from megascale.distributed.traffic import count_ops, startup_traffic
 from megascale.parallel.mesh import GROUP_KINDS, create_mesh_groups, group_ranks, mesh_group_kinds
-from tests._dist import _free_port
 
 WORLD = 8
 CASES = [((2, 2, 2), "local"), ((2, 2, 2), "global"), ((1, 4, 2), "local"), ((1, 4, 2), "global"),
