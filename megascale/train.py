@@ -373,6 +373,8 @@ class Trainer:
         else:
             logger = _NoLogger()
         start_step = self.step
+        if self.dist.timings:  # rank 0's start-up breakdown, in seconds
+            logger.log("startup", {"step": start_step, **self.dist.timings})
         self._banner(start_step)
         old_handlers = self._install_signal_handlers()
         bar = self._progress_bar(start_step)
@@ -458,7 +460,8 @@ class Trainer:
             print(f"  parallel: dp {p.dp} x pp {p.pp} x tp {p.tp}{sp} = {self.world_size} processes "
                   f"({self.dist.backend}){pipe}{dopt}; "
                   f"{self.n_micro} micro-batches of {t.micro_batch} per dp rank per step")
-            print(f"  start-up: {self.dist.startup_line()} ({self.cfg.distributed.group_init} group init)")
+            print(f"  start-up (rank 0): {self.dist.startup_line()} "
+                  f"({self.cfg.distributed.group_init} group init)")
 
     def _progress_bar(self, start_step: int):
         if self.quiet or not self.cfg.log.progress:

@@ -71,6 +71,10 @@ def test_round_trip_through_toml(tmp_path):
         (["parallel.schedule=zigzag"], "parallel.schedule", "must be one of"),
         (["parallel.dp_bucket_size=0"], "parallel.dp_bucket_size", "> 0"),
         (["parallel.tp=2", "train.compile=true"], "train.compile", "parallel"),
+        (["distributed.store=etcd://host:2379"], "distributed.store", "tcp, tcp-legacy or redis://"),
+        (["distributed.group_init=fast"], "distributed.group_init", "must be one of"),
+        (["distributed.timeout_s=0"], "distributed.timeout_s", "> 0"),
+        (["distributed.job_id=a/b"], "distributed.job_id", "'/'"),
     ],
 )
 def test_errors_name_field_and_reason(overrides, field, reason):

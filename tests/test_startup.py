@@ -58,11 +58,14 @@ def test_four_processes_train_through_redis(data, tmp_path, redis_server):
     before = set(client.keys("megascale/*"))
     out, _ = _finish(_start(4, _args(data, tmp_path / "run", "parallel.dp=2", "parallel.tp=2",
                                      f"distributed.store={redis_server.url}")))
-    startup = next(line for line in out.splitlines() if "start-up:" in line)
+    startup = next(line for line in out.splitlines() if "start-up (rank 0):" in line)
     assert f"redis at 127.0.0.1:{redis_server.port}/0" in startup and "local group init" in startup
     for phase in ("store", "init process group", "groups", "first collective"):
         assert phase in startup
     assert len(_losses(tmp_path / "run")) == 3
+    record, = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+               if r["kind"] == "startup"]
+    assert {"imports", "store", "init_process_group", "groups", "first_collective"} <= record.keys()
     # the job's keys are in Redis, under one prefix of its own (job = the launcher's run id, attempt 0)
     new = {k.decode() for k in set(client.keys("megascale/*")) - before}
     prefixes = {k.split("/kv")[0] for k in new if k.endswith("/kv")}
