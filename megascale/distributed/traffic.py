@@ -28,7 +28,7 @@ performs exactly the operations the real ranks perform.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 BACKENDS = ("gloo", "nccl", "nccl-split")
@@ -43,21 +43,70 @@ class StoreOp:
     count: int = 0  # set_if_last
 
 
+def _merge(a: list[list[StoreOp]], b: list[list[StoreOp]]) -> list[list[StoreOp]]:
+    """Two ranks' worth of rounds as one: round i of the result is a's round i, then b's."""
+    n = max(len(a), len(b))
+    return [[*(a[i] if i < len(a) else ()), *(b[i] if i < len(b) else ())] for i in range(n)]
+
+
+class RankRounds(Mapping):
+    """rank -> that rank's rounds in a step: its own operations plus, if set, rounds that every
+    rank of the world performs (a world barrier). Held apart, a naive step at 12,288 ranks costs
+    one list instead of 12,288; a rank's merged list is built when it is read."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.own: dict[int, list[list[StoreOp]]] = {}
+        self.everyone: list[list[StoreOp]] = []
+
+    def __getitem__(self, rank: int) -> list[list[StoreOp]]:
+        if not self.everyone:
+            return self.own[rank]
+        if not 0 <= rank < self.world:
+            raise KeyError(rank)
+        return _merge(self.own.get(rank, []), self.everyone)
+
+    def __iter__(self):
+        return iter(range(self.world)) if self.everyone else iter(self.own)
+
+    def __len__(self) -> int:
+        return self.world if self.everyone else len(self.own)
+
+    def num_ops(self) -> tuple[int, set[str]]:
+        """(operations other than set_if_last, the keys of the set_if_last ones), without merging."""
+        n, last_keys = 0, set()
+        for rounds, times in [*((r, 1) for r in self.own.values()), (self.everyone, self.world)]:
+            for ops in rounds:
+                n += times * len(ops)
+                for o in ops:
+                    if o.op == "set_if_last":
+                        n -= times
+                        last_keys.add(o.key)
+        return n, last_keys
+
+
 @dataclass
 class Step:
     name: str
-    rounds: dict[int, list[list[StoreOp]]] = field(default_factory=dict)  # rank -> ops, round by round
+    world: int
+    rounds: RankRounds = field(init=False)  # rank -> ops, round by round
+
+    def __post_init__(self):
+        self.rounds = RankRounds(self.world)
 
     def add(self, rank: int, rounds: list[list[StoreOp]]) -> None:
-        mine = self.rounds.setdefault(rank, [])
-        for i, ops in enumerate(rounds):
-            if i == len(mine):
-                mine.append([])
-            mine[i].extend(ops)
+        own = self.rounds.own
+        own[rank] = _merge(own[rank], rounds) if rank in own else [list(ops) for ops in rounds]
+
+    def add_everyone(self, rounds: list[list[StoreOp]]) -> None:
+        """Rounds every rank of the world performs (after its own in each round)."""
+        self.rounds.everyone = _merge(self.rounds.everyone, rounds)
 
     @property
-    def num_ops(self) -> int:  # set_if_last counts once per rank that may set; the replay counts real sets
-        return sum(len(ops) for rounds in self.rounds.values() for ops in rounds)
+    def num_ops(self) -> int:
+        """Store operations in the step, a set_if_last counted once per key (one rank sets it)."""
+        n, last_keys = self.rounds.num_ops()
+        return n + len(last_keys)
 
 
 def barrier(key: str, world: int) -> list[list[StoreOp]]:
@@ -129,42 +178,39 @@ def startup_traffic(world: int, kinds: Sequence[Sequence[Sequence[int]]], mode: 
     # creating a group bootstraps its backend at once only for gloo; NCCL is lazy or split
     boots_at_creation = backend == "gloo"
 
-    init = Step("init_process_group")
+    init = Step("init_process_group", world)
     if backend != "nccl":  # lazy NCCL bootstraps the world at its first collective, below
         for r in range(world):
             init.add(r, bootstrap("0/", r, world))
     if mode == "global":
-        for r in range(world):
-            init.add(r, [[], [], *barrier("store_based_barrier_key:0", world)])
+        init.add_everyone([[], [], *barrier("store_based_barrier_key:0", world)])
     yield init
 
     if mode == "global":  # every group is a step of its own: all ranks take part in its barrier
         for groups in kinds:
             for ranks in groups:
-                step = Step(f"group {names[ranks]}")
+                step = Step(f"group {names[ranks]}", world)
                 pad = [[], []] if boots_at_creation else []  # the barrier follows the bootstrap
                 if boots_at_creation:
                     for gr, r in enumerate(ranks):
                         step.add(r, bootstrap(f"0//{names[ranks]}/", gr, len(ranks)))
-                key = f"0//store_based_barrier_key:{names[ranks]}"
-                for r in range(world):
-                    step.add(r, [*pad, *barrier(key, world)])
+                step.add_everyone([*pad, *barrier(f"0//store_based_barrier_key:{names[ranks]}", world)])
                 yield step
     elif boots_at_creation:  # "local": the groups of one kind are disjoint and form together
         for kind, groups in enumerate(kinds):
-            step = Step(f"kind {kind}")
+            step = Step(f"kind {kind}", world)
             for ranks in groups:
                 for gr, r in enumerate(ranks):
                     step.add(r, bootstrap(f"0//{names[ranks]}/", gr, len(ranks)))
             yield step
 
     if backend == "nccl":  # lazy: the unique ids are exchanged at each group's first collective
-        first = Step("first collective: world")
+        first = Step("first collective: world", world)
         for r in range(world):
             first.add(r, nccl_bootstrap("0/", r, world))
         yield first
         for kind, groups in enumerate(kinds):
-            step = Step(f"first collective: kind {kind}")
+            step = Step(f"first collective: kind {kind}", world)
             for ranks in (g for g in groups if len(g) > 1):  # a group of one never communicates
                 for gr, r in enumerate(ranks):
                     step.add(r, nccl_bootstrap(f"0//{names[ranks]}/", gr, len(ranks)))
@@ -176,6 +222,5 @@ def count_ops(steps: Iterator[Step]) -> tuple[int, int]:
     n_steps = n_ops = 0
     for step in steps:
         n_steps += 1
-        ops = [o for rounds in step.rounds.values() for round_ops in rounds for o in round_ops]
-        n_ops += sum(o.op != "set_if_last" for o in ops) + len({o.key for o in ops if o.op == "set_if_last"})
+        n_ops += step.num_ops
     return n_steps, n_ops
