@@ -27,6 +27,7 @@ performs exactly the operations the real ranks perform.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,8 +96,10 @@ class Step:
         self.rounds = RankRounds(self.world)
 
     def add(self, rank: int, rounds: list[list[StoreOp]]) -> None:
+        """Add a rank's rounds. The lists are kept, not copied (a merge makes new ones), so the
+        members of a group can share one: gloo's world bootstrap at 12,288 ranks is 151M reads."""
         own = self.rounds.own
-        own[rank] = _merge(own[rank], rounds) if rank in own else [list(ops) for ops in rounds]
+        own[rank] = _merge(own[rank], rounds) if rank in own else rounds
 
     def add_everyone(self, rounds: list[list[StoreOp]]) -> None:
         """Rounds every rank of the world performs (after its own in each round)."""
@@ -117,9 +120,14 @@ def barrier(key: str, world: int) -> list[list[StoreOp]]:
 
 
 def gloo_bootstrap(prefix: str, group_rank: int, size: int) -> list[list[StoreOp]]:
-    keys = [f"{prefix}/cpu//0/{r}" for r in range(size)]
-    return [[StoreOp("set", keys[group_rank])],
-            [op for k in keys for op in (StoreOp("wait", k), StoreOp("get", k))]]
+    """Each member publishes its address, then waits for and reads every member's (its own too)."""
+    return [[StoreOp("set", f"{prefix}/cpu//0/{group_rank}")], _gloo_reads(prefix, size)]
+
+
+@functools.lru_cache(maxsize=4)
+def _gloo_reads(prefix: str, size: int) -> list[StoreOp]:  # one list shared by all members of a group
+    return [op for r in range(size) for op in (StoreOp("wait", f"{prefix}/cpu//0/{r}"),
+                                               StoreOp("get", f"{prefix}/cpu//0/{r}"))]
 
 
 def nccl_bootstrap(prefix: str, group_rank: int, size: int) -> list[list[StoreOp]]:
