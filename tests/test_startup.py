@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> list[str]:
-    d = tmp_path_factory.mktemp("corpus")
+    d = tmp_path_factory.mktemp("sonnets")
     shutil.copy(ROOT / "data" / "shakespeare" / "sonnets_gut.txt", d / "sonnets.txt")
-    return [f"data.source={json.dumps(str(d))}", f"data.path={json.dumps(str(d.parent / 'cache' / 'ds'))}"]
+    cache = tmp_path_factory.mktemp("sonnets_cache")  # its own: another module's dataset may sit at ../cache
+    return [f"data.source={json.dumps(str(d))}", f"data.path={json.dumps(str(cache / 'ds'))}"]
 
 
 def _args(data: list[str], run_dir: Path, *extra: str) -> list[str]:
