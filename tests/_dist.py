@@ -16,6 +16,7 @@ import queue
 import socket
 import traceback
 
+import pytest
 import torch
 
 TIMEOUT_S = 300
@@ -90,3 +91,32 @@ class WorkerPool:
                 p.terminate()
                 p.join()
         self.procs = None
+
+
+# ---- fixtures shared by the multi-process test modules (import them by these names)
+
+
+@pytest.fixture(name="one_thread", scope="module", autouse=True)
+def one_thread_fixture():
+    """The serial runs take one core, as each worker does: 2 threads on a busy 2-core machine spin."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(name="pools", scope="module")
+def pools_fixture():
+    """pools(world) -> a WorkerPool of that many ranks; one pool alive at a time (2 cores for everyone)."""
+    made: dict[int, WorkerPool] = {}
+
+    def get(world: int) -> WorkerPool:
+        for w in [w for w in made if w != world]:
+            made.pop(w).close()
+        if world not in made:
+            made[world] = WorkerPool(world)
+        return made[world]
+
+    yield get
+    for p in made.values():
+        p.close()

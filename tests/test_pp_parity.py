@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import WorkerPool
+from _dist import one_thread_fixture, pools_fixture  # noqa: F401 - the fixtures are found by their names
 from _parity import SyntheticSamples, optim_config, split_key_bias
 
 from megascale.config import ModelConfig, ParallelConfig
@@ -123,31 +123,6 @@ CASES = {
     # note above, which is TP's and not the pipeline's; pp2 x tp2 adds nothing to it.
     "pp2-vpp2-tp2-sp": ((2, 2, 2, True), "interleaved", ("gpt", "sequential", "full", False), "lamb"),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The serial runs here take one core, as the workers do: 2 threads on a busy 2-core machine spin."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made: dict[int, WorkerPool] = {}
-
-    def get(world: int) -> WorkerPool:
-        for w in [w for w in made if w != world]:  # one pool alive at a time: 2 cores for everyone
-            made.pop(w).close()
-        if world not in made:
-            made[world] = WorkerPool(world)
-        return made[world]
-
-    yield get
-    for p in made.values():
-        p.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import WorkerPool
+from _dist import one_thread_fixture, pools_fixture  # noqa: F401 - the fixtures are found by their names
 
 from megascale.checkpoint import list_checkpoints
 from megascale.config import load_config
@@ -112,31 +112,6 @@ def metrics(run_dir: Path, kind: str, field: str) -> list[float]:
 def rel(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The serial runs take one core, as each worker does (2 cores for everyone)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made: dict[int, WorkerPool] = {}
-
-    def get(world: int) -> WorkerPool:
-        for w in [w for w in made if w != world]:  # one pool alive at a time
-            made.pop(w).close()
-        if world not in made:
-            made[world] = WorkerPool(world)
-        return made[world]
-
-    yield get
-    for p in made.values():
-        p.close()
 
 
 REPORT: dict[str, str] = {}
