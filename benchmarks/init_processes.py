@@ -25,7 +25,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -101,23 +100,6 @@ def run_case(n: int, store: str, mode: str, job: str) -> dict:
     }
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    tmp = tempfile.mkdtemp(prefix="megascale-redis-")
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -130,7 +112,10 @@ def main() -> None:
     if args.worker:
         return _worker()
 
-    redis_proc, redis_url = start_redis() if "redis" in args.stores else (None, "")
+    from init_scale import RedisServer  # the scale benchmark's loopback redis-server
+
+    redis_server = RedisServer(max_clients=1000) if "redis" in args.stores else None
+    redis_url = redis_server.url if redis_server else ""
     results = []
     try:
         print(f"{os.cpu_count()} cores; times in seconds; 'after imports' = last import done -> last rank's "
@@ -161,9 +146,8 @@ def main() -> None:
                     ratio = naive / max(ours, 1e-9)
                     print(f"  {n:>3} ranks, {store:<11}: {ratio:.2f}x")
     finally:
-        if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait()
+        if redis_server is not None:
+            redis_server.stop()
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
