@@ -12,6 +12,7 @@ would; `torchrun --nproc-per-node N -m megascale train ...` is the same job.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -22,9 +23,28 @@ from megascale.errors import UserError
 _FOLLOWER_EXIT_DELAY_S = 5.0
 
 
+def _default_config(overrides: list[str]) -> list[str]:
+    """`megascale train` without --config: the CPU default, its data paths found from any directory."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    default = root / "configs" / "cpu_default.toml"
+    if not default.is_file():
+        raise UserError("--config: no config given and the CPU default (configs/cpu_default.toml of the "
+                        "megascale checkout) is not installed here; pass --config FILE")
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    extra = [f"{name}={json.dumps(str(root / rel))}" for name, rel in
+             (("data.source", "data/shakespeare"), ("data.path", "data/cache/shakespeare"))
+             if name not in given and not Path(rel).exists()]
+    return [str(default), *extra]
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from megascale.config import check_world_size, load_config
 
+    if args.config is None:
+        args.config, *extra = _default_config(args.overrides)
+        args.overrides = [*extra, *args.overrides]
     cfg = load_config(args.config, args.overrides)  # validates the layout too, before any process starts
     if args.print_config:
         print(cfg.to_toml(), end="")
@@ -97,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     p = sub.add_parser("train", help="train a model from a config")
-    p.add_argument("--config", help="TOML config file (configs/*.toml)")
+    p.add_argument("--config", help="TOML config file (configs/*.toml; default: configs/cpu_default.toml)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="resume; fail if there is no checkpoint")
@@ -118,11 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     # Each area owns its verbs; these imports are light (no torch).
+    from megascale.checkpoint.cli import register as register_export
     from megascale.data.cli import register as register_data
     from megascale.perf.cli import register as register_plan
 
     register_data(sub)
     register_plan(sub)
+    register_export(sub)
     return parser
 
 

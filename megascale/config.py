@@ -9,6 +9,7 @@ reason; the CLI turns it into one line on stderr and exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import types
 import typing
@@ -43,6 +44,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    # start from other weights instead of the seed's random ones: "hf:DIR" (a Hugging Face model
+    # directory as `megascale export` writes it; fine-tuning); "": random initialisation
+    init_from: str = ""
 
     @property
     def head_dim(self) -> int:
@@ -121,9 +125,18 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = 500  # steps between checkpoints; 0: only at the end and on interruption
-    keep: int = 2  # how many checkpoints to keep in the run directory
-    resume: bool = True  # resume from the newest checkpoint in the run directory if one exists
+    # Two stages (MegaScale): a snapshot of every rank's state into host memory that outlives the
+    # process (stage 1, seconds), persisted to storage in the background (stage 2).
+    interval: int = 500  # steps between persisted checkpoints; 0: only at the end and on interruption
+    memory_interval: int = 0  # steps between host-memory snapshots; 0: only those that are persisted
+    path: str = ""  # storage root: a local path or an fsspec URL; "": RUN_DIR/checkpoints
+    memory_dir: str = ""  # where snapshots live; "": /dev/shm/megascale (tmpfs), else the temp dir
+    memory: bool = True  # stage 1 in host memory; false: persist straight from the live state
+    async_persist: bool = True  # stage 2 in a background thread; false: training waits for storage
+    async_snapshot: bool = True  # stage 1's copy overlaps the next step's forwards and backwards
+    broadcast_restore: bool = True  # one reader per data-parallel group broadcasts the weights
+    keep: int = 2  # how many complete checkpoints to keep in storage (the newest is never deleted)
+    resume: bool = True  # resume from the newest complete state (memory, else storage) if one exists
 
 
 @dataclass
@@ -161,7 +174,11 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, with secrets redacted: this is what config.toml, metrics and checkpoints hold."""
+        out = dataclasses.asdict(self)
+        out["distributed"]["store"] = redact_url(out["distributed"]["store"])
+        out["checkpoint"]["path"] = redact_url(out["checkpoint"]["path"])
+        return out
 
     def to_toml(self) -> str:
         lines: list[str] = []
@@ -170,6 +187,11 @@ class Config:
             lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
             lines.append("")
         return "\n".join(lines)
+
+
+def redact_url(url: str) -> str:
+    """A URL with its password replaced (redis://:secret@host -> redis://:***@host)."""
+    return re.sub(r"^([a-z][a-z0-9+.-]*://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 # ---------------------------------------------------------------------------------------
@@ -330,6 +352,10 @@ def validate(cfg: Config) -> None:
     _positive("log.peak_flops", cfg.log.peak_flops, allow_zero=True)
     _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _positive("checkpoint.memory_interval", cfg.checkpoint.memory_interval, allow_zero=True)
+    if m.init_from and not m.init_from.startswith("hf:"):
+        raise ConfigError(f"model.init_from: must be hf:DIR (a Hugging Face model directory), "
+                          f"got {m.init_from!r}")
 
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")

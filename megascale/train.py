@@ -13,15 +13,18 @@ uninterrupted one: same losses, same data order, same random numbers.
 Everything that can be wrong with the user's input (config, data, tokenizer, checkpoint) is
 checked before the run directory is written to.
 
-Parallel runs: started by torchrun or `megascale train --nproc N` (which set RANK,
-WORLD_SIZE, ...), each process builds a Trainer for the same config. The process group and
-the (dp, pp, tp) mesh are set up here, the rank's model, optimizer and step come from
-`parallel.engine.ParallelEngine`, and this loop stays the same: the loss it reports is the
-job's (the dp mean; under pp the last stage's), tokens/s counts the whole job, MFU divides by
-world_size devices, and only global rank 0 prints, logs and writes config.toml and metrics.
-Every rank agrees on user errors, on stopping (a signal on any rank stops all after the
-same step) and saves its part of each checkpoint (checkpoint/parallel.py). A world of one
-process takes exactly the single-process path.
+One path for every world size: a single process is a mesh of one. torchrun or `megascale
+train --nproc N` start N processes that each build a Trainer for the same config; the process
+group and the (dp, pp, tp) mesh are set up here, the rank's model, optimizer and step come from
+`parallel.engine.ParallelEngine` (which calls no collective for a world of one), and this loop
+is the same: the loss it reports is the job's (the dp mean; under pp the last stage's), tokens/s
+counts the whole job, MFU divides by world_size devices, and only global rank 0 prints, logs and
+writes config.toml and metrics. Every rank agrees on user errors and on stopping (a signal on
+any rank stops all after the same step).
+
+Checkpoints (checkpoint/manager.py): every rank snapshots its own shard of the state into host
+memory and persists it in the background (DCP); a start restores the newest complete state,
+from any layout's checkpoint.
 """
 
 from __future__ import annotations
@@ -29,35 +32,28 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-from megascale.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    load_parallel_checkpoint,
-    rng_state,
-    save_checkpoint,
-    save_parallel_checkpoint,
-    set_rng_state,
-)
+from megascale.checkpoint import CheckpointManager, RestoreInfo, rng_state, set_rng_state
+from megascale.checkpoint.rundir import RunDirLock, archive_previous_run
 from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import BatchLoader, build_tokenizer, ensure_dataset, open_splits
 from megascale.distributed.init import agree_on_user_errors, create_mesh, first_collective, init_distributed
 from megascale.errors import UserError
 from megascale.model import GPT
 from megascale.observe.metrics import MetricsLogger
-from megascale.optim import build_optimizer, clip_grad_norm_, lr_at, set_lr
+from megascale.optim import lr_at, set_lr
+from megascale.parallel.engine import ParallelEngine, layout_of
+from megascale.parallel.mesh import Mesh
 from megascale.perf.flops import flops_per_token
 from megascale.perf.hardware import measure_cpu_peak, peak_flops
-
-if TYPE_CHECKING:
-    from megascale.parallel.engine import ParallelEngine
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -94,8 +90,7 @@ class Trainer:
             self.device = torch.device("cuda", self.dist.local_rank)
         check_world_size(cfg, self.world_size, "the number of processes (WORLD_SIZE)")
         self.run_dir = Path(t.run_dir)
-        self.engine: ParallelEngine | None = None
-        self.mesh = None
+        self._lock = RunDirLock(self.run_dir) if self.is_main else None
 
         # --- inputs first: nothing is written to the run directory until they are known good.
         # Every rank checks them; a user error on any rank stops all, with one message.
@@ -120,35 +115,44 @@ class Trainer:
                     f"data.path: {prefix} has {len(self.train_samples)} training samples of "
                     f"{m.seq_len + 1} tokens, fewer than one global batch ({t.global_batch})"
                 )
-            self.ckpt_path = self._find_checkpoint(resume)
-            self.ckpt, self._rank_ckpt = None, None
-            if self.ckpt_path and self.world_size > 1:
-                self.ckpt, self._rank_ckpt = load_parallel_checkpoint(self.ckpt_path, self.dist.rank)
-                self._check_layout(self.ckpt)
-            elif self.ckpt_path:
-                self.ckpt = load_checkpoint(self.ckpt_path)
+            if self._lock is not None:  # one job per run directory, from here to the end of fit
+                self._lock.acquire()
+            init = self._initial_weights()
 
-        # --- build: the same seed gives the same initial weights in every run
+        # --- build: the same seed gives the same initial weights in every run and layout
         torch.manual_seed(t.seed)
         self.model_dtype = torch.float64 if t.dtype == "fp64" else torch.float32
-        if self.world_size == 1:
-            self.model = GPT(m).to(device=self.device, dtype=self.model_dtype)
-            self.optimizer = build_optimizer(self.model, cfg.optim)
-            self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed, prefetch=2)
-            self.step = 0
-            if self.ckpt is not None:
-                self._restore(self.ckpt)
-            self._forward = torch.compile(self.model) if t.compile else self.model
-            self.n_micro = t.global_batch // t.micro_batch
-            self._num_params = self.model.num_params()
+        if self.world_size > 1:
+            self.mesh = create_mesh(self.dist, cfg.parallel, cfg.distributed)
+            first_collective(self.dist, self.mesh, self.device)
         else:
-            self._build_parallel()
+            self.mesh = Mesh(1, 1, 1, 0)
+        self.engine = ParallelEngine(cfg, self.mesh, self.device, self.model_dtype, init)
+        del init
+        self.model, self.optimizer = self.engine.model, self.engine.optimizer
+        self.n_micro = self.engine.n_micro  # micro-batches per step on each dp rank
+        self._num_params = sum(c.tensor.numel() for c in self.engine.model_chunks() if c.write)
+        if self.world_size > 1:  # the weights' boxes of this rank only: sum over the ranks
+            box = torch.tensor([self._num_params], dtype=torch.float64)
+            torch.distributed.all_reduce(box)
+            self._num_params = int(box.item())
+        self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed,
+                                  dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp, prefetch=2)
+        self.step = 0
+
+        # --- the newest complete state (host memory, else storage), from any layout
+        self.checkpoints = CheckpointManager(cfg, self.run_dir, self.mesh, self.dist.rank, self.world_size,
+                                             layout_of(cfg), self._warn)
+        self.restored: RestoreInfo | None = None
+        with agree_on_user_errors(self.dist):
+            self._resume(resume)
 
         self.tokens_per_step = t.global_batch * m.seq_len  # the whole job's, every layout
         self.flops_per_token = flops_per_token(m, training=True)
         self.peak = self._peak_flops()  # per device; MFU divides by world_size of them
         self._stop_signal: int | None = None
-        self._stop_agreed: int | None = None  # parallel: the signal every rank stops for
+        self._stop_agreed: int | None = None  # the signal every rank stops for
+        self._ckpt_blocked: list[float] = []  # seconds each checkpoint blocked training
 
     def _peak_flops(self) -> float:
         cfg, t = self.cfg, self.cfg.train
@@ -159,113 +163,52 @@ class Trainer:
         torch.distributed.broadcast_object_list(box, src=0)
         return float(box[0])
 
-    def _build_parallel(self) -> None:
-        """Mesh, this rank's model (from the one-process initial weights), optimizer and loader."""
-        from megascale.parallel.engine import ParallelEngine
-
-        cfg, t, m = self.cfg, self.cfg.train, self.cfg.model
-        self.mesh = create_mesh(self.dist, cfg.parallel, cfg.distributed)
-        first_collective(self.dist, self.mesh, self.device)
-        if self.ckpt is not None:
-            full = self.ckpt["model"]
-        else:  # the serial GPT of this seed, on CPU: every layout starts from the weights one process has
-            full = GPT(m).to(self.model_dtype).state_dict()
-        try:
-            self.engine = ParallelEngine(cfg, self.mesh, self.device, self.model_dtype, full)
-        except (KeyError, ValueError, RuntimeError) as e:  # same dict, same config: every rank fails here
-            if self.ckpt is None:
-                raise
-            raise UserError(f"checkpoint {self.ckpt_path}: does not match the model config "
-                            f"({str(e).strip().splitlines()[0]})") from None
-        self.model, self.optimizer = self.engine.model, self.engine.optimizer
-        self.n_micro = self.engine.n_micro  # micro-batches per step on each dp rank
-        self._num_params = sum(v.numel() for k, v in full.items()
-                               if not (m.tie_embeddings and k == "head.weight"))
-        del full
-        self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed,
-                                  dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp, prefetch=2)
-        self.step = 0
-        if self.ckpt is not None:
-            with agree_on_user_errors(self.dist):
-                try:
-                    self.optimizer.load_state_dict(self._rank_ckpt["optimizer"])
-                except (KeyError, ValueError) as e:
-                    raise UserError(f"checkpoint {self.ckpt_path}: the optimizer state of rank "
-                                    f"{self.dist.rank} does not fit this run ({e})") from None
-            self.loader.load_state_dict(self.ckpt["loader"])
-            set_rng_state(self._rank_ckpt["rng"])
-            self.step = self.ckpt["step"]
-        self._rank_ckpt = None
-
     # ------------------------------------------------------------------ set-up helpers
 
-    def _find_checkpoint(self, resume: bool | None) -> Path | None:
-        found = latest_checkpoint(self.run_dir)
-        if resume is True and found is None:
-            raise UserError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}")
-        if resume is False or (resume is None and not self.cfg.checkpoint.resume):
+    def _initial_weights(self) -> dict[str, torch.Tensor] | None:
+        """model.init_from's weights (one-process state dict), or None for the seed's random ones."""
+        src = self.cfg.model.init_from
+        if not src:
             return None
-        return found
+        from megascale.checkpoint.hf import load_hf_state
 
-    def _check_layout(self, state: dict[str, Any]) -> None:
-        from megascale.parallel.engine import layout_of
+        return load_hf_state(src.removeprefix("hf:"), self.cfg.model)
 
-        saved, here = state["parallel"], layout_of(self.cfg)
-        if saved != here:
-            diff = ", ".join(f"parallel.{k}={saved.get(k)} there, {here.get(k)} here"
-                             for k in sorted(saved.keys() | here.keys()) if saved.get(k) != here.get(k))
-            raise UserError(f"checkpoint {self.ckpt_path}: saved by another parallel layout ({diff}); resume "
-                            "with the same parallel.* settings, or start fresh with checkpoint.resume=false")
+    def _resume(self, resume: bool | None) -> None:
+        """Restore the newest complete state, or start fresh (archiving an earlier run's files)."""
+        want = self.cfg.checkpoint.resume if resume is None else resume
+        info = self.checkpoints.restore(self.engine) if want else None
+        if info is None:
+            if resume is True:
+                raise UserError(f"--resume: no checkpoint in {self.checkpoints.storage.display}")
+            self.checkpoints.fresh_start()
+            if self.is_main:
+                moved = archive_previous_run(self.run_dir, self.checkpoints.storage,
+                                             self.checkpoints.default_storage)
+                if moved is not None and not self.quiet:
+                    print(f"fresh start: the earlier run's checkpoints and metrics are in {moved}")
+            return
+        if info.extra.get("loader") is not None:
+            self.loader.load_state_dict(info.extra["loader"])
+        if info.extra.get("rng") is not None:  # the same layout: each rank's own generators
+            set_rng_state(info.extra["rng"])
+        self.step = info.step
+        self.restored = info
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        if "parallel" in state:
-            p = state["parallel"]
-            raise UserError(f"checkpoint {self.ckpt_path}: saved by a parallel run (tp={p['tp']}, "
-                            f"pp={p['pp']}, dp={p['dp']}); resume it with the same layout "
-                            "(megascale train --nproc ...)")
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()
-            detail = first[1].strip() if len(first) > 1 else first[0]
-            raise UserError(
-                f"checkpoint {self.ckpt_path}: does not match the model config ({detail})"
-            ) from None
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
-        self.step = state["step"]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "loader": self.loader.state_dict(),
-            "rng": rng_state(),
-            "config": self.cfg.to_dict(),
-        }
-
-    def save(self) -> Path:
-        """Write a checkpoint (collective in a parallel run: every rank must call it)."""
-        if self.engine is None:
-            return save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=self.cfg.checkpoint.keep)
-        from megascale.parallel.engine import layout_of
-
-        full = self.engine.full_model_state()  # replica 0's model-parallel ranks gather it
-        shared = None
-        if self.is_main:
-            shared = {"step": self.step, "model": full, "optimizer": "sharded: optim_rank*.pt",
-                      "loader": self.loader.state_dict(), "rng": rng_state(), "config": self.cfg.to_dict(),
-                      "parallel": layout_of(self.cfg)}
-        del full
-        own = {"optimizer": self.optimizer.state_dict(), "rng": rng_state(), "step": self.step}
-        return save_parallel_checkpoint(self.run_dir, self.step, shared, own, keep=self.cfg.checkpoint.keep)
+    def save(self, persist: bool = True, final: bool = False) -> str:
+        """Checkpoint the current step (collective: every rank calls it): stage 1 into host memory now,
+        stage 2 to storage in the background; `final` waits for storage. Returns the storage path."""
+        extra = {"rng": rng_state(), "loader": self.loader.state_dict()}
+        blocked = self.checkpoints.save(self.step, self.engine, extra, persist)
+        self._ckpt_blocked.append(blocked)
+        if final:
+            self.checkpoints.finish(self.step)
+        return self.checkpoints.storage.url(self.checkpoints.storage.step_dir(self.step))
 
     def full_model(self) -> GPT | None:
         """The trained model as one GPT (for sampling): the model itself on one process; in a parallel
         run gathered from the ranks (collective) and returned on rank 0 only."""
-        if self.engine is None:
+        if self.world_size == 1:
             return self.model
         full = self.engine.full_model_state()
         if not self.is_main:
@@ -282,43 +225,9 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train_step(self) -> StepStats:
-        """One optimizer step: accumulate gradients over the micro-batches, clip, update."""
-        if self.engine is not None:
-            return self._parallel_step()
-        t0 = time.perf_counter()
-        cfg = self.cfg
-        lr = lr_at(self.step, cfg.optim, cfg.train.steps)
-        set_lr(self.optimizer, lr)
-        x, y = self.loader.next_batch()
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        mb = cfg.train.micro_batch
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        self.model.train()
-        for i in range(self.n_micro):
-            xs, ys = x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]
-            with self._autocast():
-                loss = self._forward(xs, ys)
-            (loss / self.n_micro).backward()
-            loss_sum += loss.detach()
-        grad_norm = clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        else:  # a non-finite gradient would poison the weights: skip the update, keep going, say so
-            self._log_print(f"step {self.step + 1}: non-finite gradient norm, update skipped")
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        loss_value = (loss_sum / self.n_micro).item()  # .item() syncs: the step time below is real
-        dt = time.perf_counter() - t0
-        tps = self.tokens_per_step / dt
-        if tps * self.flops_per_token > self.peak and self.device.type == "cpu" and not cfg.log.peak_flops:
-            # Faster than the cached peak: that probe ran on a busy machine. Measure again.
-            self.peak = max(tps * self.flops_per_token, measure_cpu_peak(cfg.train.dtype, refresh=True))
-        return StepStats(self.step, loss_value, lr, float(grad_norm), dt, tps,
-                         tps * self.flops_per_token / self.peak)
-
-    def _parallel_step(self) -> StepStats:
-        """train_step on a (dp, pp, tp) layout: the same step, through the engine; ends with the one
-        all-reduce that gives every rank the job's loss and the agreed stop flag."""
+        """One optimizer step: forwards and backwards of the micro-batches, clip, update; ends with the
+        one all-reduce that gives every rank the job's loss and the agreed stop flag (none for one
+        process)."""
         t0 = time.perf_counter()
         cfg, engine = self.cfg, self.engine
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
@@ -326,17 +235,22 @@ class Trainer:
         x, y = self.loader.next_batch()  # this dp rank's rows of the global batch
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
-        local_loss = engine.forward_backward(x, y, self._autocast)
+        local_loss = engine.forward_backward(x, y, self._autocast, self.step)
         grad_norm = engine.clip_grads(cfg.optim.grad_clip)  # global: the same on every rank
+        self.checkpoints.before_update()  # a snapshot's copy must be complete before the weights change
         if torch.isfinite(grad_norm):
             engine.step()
-        else:
+        else:  # a non-finite gradient would poison the weights: skip the update, keep going, say so
             self._log_print(f"step {self.step + 1}: non-finite gradient norm, update skipped")
         engine.zero_grad()
         self.step += 1
-        loss_value, self._stop_agreed = engine.agree(local_loss, self._stop_signal)
+        loss_value, self._stop_agreed = engine.agree(local_loss, self._stop_signal)  # .item(): a sync
         dt = time.perf_counter() - t0
         tps = self.tokens_per_step / dt
+        if (self.world_size == 1 and tps * self.flops_per_token > self.peak and self.device.type == "cpu"
+                and not cfg.log.peak_flops):
+            # Faster than the cached peak: that probe ran on a busy machine. Measure again.
+            self.peak = max(tps * self.flops_per_token, measure_cpu_peak(cfg.train.dtype, refresh=True))
         return StepStats(self.step, loss_value, lr, float(grad_norm), dt, tps,
                          tps * self.flops_per_token / (self.peak * self.world_size))
 
@@ -345,31 +259,21 @@ class Trainer:
         """Mean loss over the first `eval_batches` validation micro-batches (a fixed set)."""
         mb, n = self.cfg.train.micro_batch, len(self.val_samples)
         batches = min(self.cfg.train.eval_batches, n // mb)
-        if self.engine is not None:  # split over dp, through the pipeline: the same set and mean
-            if batches == 0:
-                return float("nan")
-            return self.engine.evaluate(self.val_samples, batches, self._autocast)
-        self.model.eval()
         if batches == 0:
             return float("nan")
-        total = 0.0
-        for b in range(batches):
-            seqs = self.val_samples.batch(range(b * mb, (b + 1) * mb))
-            x, y = seqs[:, :-1].to(self.device), seqs[:, 1:].to(self.device)
-            with self._autocast():
-                total += self.model(x, y).item()
-        self.model.train()
-        return total / batches
+        return self.engine.evaluate(self.val_samples, batches, self._autocast)  # split over dp
 
     def fit(self, max_steps: int | None = None) -> dict[str, Any]:
         """Train to `train.steps` (or for at most `max_steps` more steps in this call), then save."""
         cfg, t = self.cfg, self.cfg.train
         end = t.steps if max_steps is None else min(t.steps, self.step + max_steps)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self._lock is not None and self._lock._fh is None:  # a second fit() of this Trainer
+            self._lock.acquire()
         if self.is_main:  # one writer per run directory: global rank 0
             _write_atomic(self.run_dir / "config.toml", cfg.to_toml())
             logger = MetricsLogger(self.run_dir, cfg.log.jsonl, cfg.log.tensorboard,
-                                   resume_step=self.step if self.ckpt is not None else None)
+                                   resume_step=self.step if self.step > 0 else None)
         else:
             logger = _NoLogger()
         start_step = self.step
@@ -388,7 +292,7 @@ class Trainer:
                 rec = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                        "step_time": s.step_time, "tokens_per_s": s.tokens_per_s, "mfu": s.mfu,
                        "tokens": s.step * self.tokens_per_step}
-                if self.engine is not None and self.engine.pipelined:
+                if self.engine.pipelined:
                     rec["bubble"] = self.engine.bubble  # rank 0's idle fraction in the pipeline
                 logger.log("train", rec)
                 self._show(bar, s)
@@ -396,13 +300,22 @@ class Trainer:
                     last_val = self.evaluate()
                     logger.log("val", {"step": s.step, "loss": last_val, "ppl": _ppl(last_val)})
                     self._log_print(f"step {s.step}: val loss {last_val:.4f}, ppl {_ppl(last_val):.2f}", bar)
-                if cfg.checkpoint.interval and s.step % cfg.checkpoint.interval == 0 and s.step < end:
-                    self.save()
+                c = cfg.checkpoint
+                if s.step < end and (c.interval and s.step % c.interval == 0
+                                     or c.memory_interval and s.step % c.memory_interval == 0):
+                    self.save(persist=bool(c.interval and s.step % c.interval == 0))
+                    if self._ckpt_blocked:
+                        rec = {"step": s.step, "blocked_s": self._ckpt_blocked[-1]}
+                        logger.log("checkpoint", rec)
+                for ev in self.checkpoints.events():
+                    logger.log("persist", ev)
                 if self._stopping() is not None:
                     break
             interrupted = self._stopping() is not None
             if self.step > start_step or interrupted:
-                path = self.save()
+                path = self.save(final=True)
+                for ev in self.checkpoints.events():
+                    logger.log("persist", ev)
                 if interrupted:
                     self._log_print(f"stopped by {signal.Signals(self._stopping()).name} after step "
                                     f"{self.step}; checkpoint {path}; run the same command to resume", bar)
@@ -412,6 +325,9 @@ class Trainer:
             logger.close()
             self.loader.close()
             self._restore_signal_handlers(old_handlers)
+            self.checkpoints.wait()
+            if self._lock is not None:
+                self._lock.release()
         seconds = time.perf_counter() - t_start
         med = float(np.median(times)) if times else float("nan")
         peak = self.peak * self.world_size
@@ -431,7 +347,7 @@ class Trainer:
     def _stopping(self) -> int | None:
         """The signal to stop for: this process's own, or in a parallel run the one all ranks agreed on
         at the end of the last step (so that every rank stops after the same step)."""
-        return self._stop_signal if self.engine is None else self._stop_agreed
+        return self._stop_agreed
 
     # ------------------------------------------------------------------ output
 
@@ -440,7 +356,9 @@ class Trainer:
             return
         m, t, p = self.cfg.model, self.cfg.train, self.cfg.parallel
         n = self._num_params
-        where = f"resumed from {self.ckpt_path} at step {start_step}" if self.ckpt else "fresh start"
+        r = self.restored
+        where = (f"resumed from {r.source} at step {start_step} ({r.where}, {r.seconds:.2f} s"
+                 f"{'' if r.same_layout else ', resharded from another layout'})" if r else "fresh start")
         if self.device.type == "cpu" and t.dtype == "bf16" and not _cpu_has_bf16():
             print(f"warning: train.dtype=bf16 on a CPU without AVX512-BF16/AMX (capability "
                   f"{torch.backends.cpu.get_cpu_capability()}): bf16 matmuls are emulated and far slower "
@@ -452,7 +370,7 @@ class Trainer:
               f"peak {self.peak / 1e9:.0f} GFLOP/s; {where}")
         print(f"  unigram baseline: {unigram_entropy(self.train_samples, m.vocab_size):.3f} nats/token "
               f"(a model that learned nothing but token frequencies)")
-        if self.engine is not None:
+        if self.world_size > 1:
             pipe = (f", {p.resolved_schedule} schedule" + (f" x {p.vpp} chunks" if p.vpp > 1 else "")
                     if p.pp > 1 else "")
             dopt = ", distributed optimizer" if p.dp > 1 else ""
@@ -478,6 +396,11 @@ class Trainer:
             eta = (self.cfg.train.steps - s.step) * s.step_time
             print(f"step {s.step}/{self.cfg.train.steps} | loss {s.loss:.4f} | lr {s.lr:.2e} | "
                   f"{s.tokens_per_s:,.0f} tok/s | MFU {100 * s.mfu:.1f}% | ETA {eta:.0f}s", flush=True)
+
+    def _warn(self, msg: str) -> None:
+        """A problem worth a line even in a quiet run (rank 0 says it, on stderr)."""
+        if self.is_main:
+            print(f"megascale: {msg}", file=sys.stderr, flush=True)
 
     def _log_print(self, msg: str, bar=None) -> None:
         if self.quiet:

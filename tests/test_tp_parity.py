@@ -10,7 +10,8 @@ Tolerances: float64 is the strict check, where reduction-order noise is ~1e-15 a
 bug (a missing all-reduce, a wrong shard) is off by orders of magnitude. In float32 the
 tp=2 run sums matmul partials in a different order (row-parallel layers, vocab-parallel
 softmax), so differences start at ~1e-7 relative and Adam/LAMB amplify them in
-near-zero gradients over the steps; 1e-5 stays well above what 12 steps of that produce
+near-zero gradients over the steps; 1e-4 stays above what 12 steps of that produce (up to
+2.2e-5 measured on an AVX-512 Xeon, whose kernels block the sums differently from AVX2's)
 and far below what any bug produces. One tensor is apart in float32: the attention's key
 bias, whose exact gradient is zero (adding b_k to every key adds q.b_k to all of a query's
 scores, which the softmax ignores). Its float32 gradient is pure rounding noise, which
@@ -43,7 +44,7 @@ from megascale.parallel import (
 )
 
 STEPS, BATCH, VOCAB, SEQ = 12, 4, 257, 16
-TOL = {torch.float32: 1e-5, torch.float64: 1e-11}
+TOL = {torch.float32: 1e-4, torch.float64: 1e-11}
 
 
 def model_config(style: str, block: str, attention: str) -> ModelConfig:

@@ -144,7 +144,11 @@ def test_corrupt_checkpoint_is_a_clear_error(corpus, tmp_path):
     cfg = tiny(corpus, tmp_path / "run", "train.steps=2")
     Trainer(cfg, quiet=True).fit()
     (_, ckpt), = list_checkpoints(tmp_path / "run")
-    (ckpt / "state.pt").write_bytes(b"not a checkpoint")
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    shard.write_bytes(bytes(data))
     (tmp_path / "c.toml").write_text(cfg.to_toml())
     r = _cli(["train", "--config", str(tmp_path / "c.toml"), "train.steps=3"])
-    assert r.returncode == 2 and "state.pt: cannot be read" in r.stderr, r.stderr
+    assert r.returncode == 2 and "__0_0.distcp: checksum mismatch" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr

@@ -34,7 +34,7 @@ import pytest
 import torch
 from _dist import one_thread_fixture, pools_fixture  # noqa: F401 - the fixtures are found by their names
 
-from megascale.checkpoint import list_checkpoints
+from megascale.checkpoint import list_checkpoints, read_model_state
 from megascale.config import load_config
 from megascale.train import Trainer
 
@@ -144,12 +144,16 @@ def test_trainer_layout_matches_one_process(pools, data, tmp_path, name):
     assert loss_rel < TOL[dtype] and val_rel < TOL[dtype]
     if dtype == "fp64":  # float32 norms and weights carry TP's amplified rounding (test_dp_parity)
         assert norm_rel < TOL[dtype] and weight_max < 1e-10
-    # the checkpoint holds the full model (the one-process state dict) and one file per rank
-    (_, ckpt), = list_checkpoints(tmp_path / "par")
-    saved = torch.load(ckpt / "state.pt", weights_only=False)
-    assert saved["step"] == STEPS and all(torch.equal(saved["model"][k], weights[k]) for k in weights)
-    ranks = sorted(p.name for p in ckpt.glob("optim_rank*.pt"))
-    assert ranks == [f"optim_rank{r:05d}.pt" for r in range(world)]
+    # the checkpoint: one DCP file per rank (each its own shard), read back as the one-process model
+    (step, ckpt), = list_checkpoints(tmp_path / "par")
+    _, saved = read_model_state(ckpt)
+    # (the pipeline's two copies of a tied matrix may differ by rounding: LAMB's norms of each are
+    # summed over differently cut dp shards; the checkpoint holds the embedding's)
+    differ = [k for k in weights if not torch.equal(saved[k], weights[k])
+              and not (k == "head.weight" and torch.allclose(saved[k], weights[k], rtol=0, atol=1e-12))]
+    assert step == STEPS and not differ, differ
+    ranks = sorted(p.name for p in ckpt.glob("*.distcp"))
+    assert ranks == [f"__{r}_0.distcp" for r in range(world)]
 
     if resume:  # 4 steps, a checkpoint, a fresh Trainer on every rank resumes: bit-for-bit the same run
         split = pool.run(run_on_rank, overrides(data, tmp_path / "split", model, optim, dtype, *parallel), 4)
@@ -211,7 +215,7 @@ def test_sigterm_stops_every_rank_at_one_step_and_resumes(data, tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err
     (k, ckpt), = list_checkpoints(tmp_path / "sig")
-    assert 3 <= k < 400 and len(list(ckpt.glob("optim_rank*.pt"))) == 2
+    assert 3 <= k < 400 and len(list(ckpt.glob("*.distcp"))) == 2
     r = _cli(["train", "--nproc", "2", *args, f"train.steps={k + 2}"])  # the last override wins
     assert r.returncode == 0, r.stderr
     assert "resumed from" in r.stdout and r.stdout.count("done:") == 1  # rank 0 alone prints

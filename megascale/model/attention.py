@@ -3,15 +3,20 @@
 The qkv projection's output features are ordered (head, [q, k, v], head_dim) (see
 factory.py), so a column-parallel shard holds whole heads. Shapes use -1 for the head count:
 under tensor parallelism this module runs unchanged on its local heads.
+
+The attention-probability dropout is a dropout site of its own (see factory.py): a split
+region, since each tp rank holds different heads, so its mask differs per tp rank.
 """
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from megascale.config import ModelConfig
-from megascale.model.factory import LayerFactory
+from megascale.model.factory import LayerFactory, current_stream, forked_rng
 from megascale.model.rotary import Rotary
 from megascale.ops.attention import causal_attention, sliding_window_attention
 
@@ -22,6 +27,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.window = cfg.window if cfg.attention == "sliding" else 0
         self.dropout = cfg.dropout
+        self.dropout_site = 0  # named by name_dropout_sites
+        self.dropout_split = True  # this rank's heads
         self.qkv = factory.linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias, style="column")
         self.proj = factory.linear(cfg.d_model, cfg.d_model, bias=cfg.bias, style="row")
         # One Rotary shared by all layers (named_modules/named_buffers list it once); a
@@ -40,9 +47,13 @@ class Attention(nn.Module):
         if self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         dropout = self.dropout if self.training else 0.0
-        if self.window:
-            y = sliding_window_attention(q, k, v, self.window, dropout)
-        else:
-            y = causal_attention(q, k, v, dropout)
+        stream = current_stream() if dropout else None
+        # SDPA draws its mask from the default generator: fork it to this site's seed.
+        seed = stream.seed(self.dropout_site, self.dropout_split) if stream else None
+        with forked_rng(q.device, seed) if stream else nullcontext():
+            if self.window:
+                y = sliding_window_attention(q, k, v, self.window, dropout)
+            else:
+                y = causal_attention(q, k, v, dropout)
         # SDPA returns (b, heads, s, hd) laid out as (b, s, heads, hd): this reshape is a view.
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))

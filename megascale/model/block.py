@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megascale.config import ModelConfig
 from megascale.model.attention import Attention
-from megascale.model.factory import LayerFactory
+from megascale.model.factory import DropoutStream, LayerFactory, current_stream, dropout, use_stream
 from megascale.model.mlp import GeluMLP, SwiGLU
 from megascale.model.rotary import Rotary
 
@@ -36,7 +37,9 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.mlp = SwiGLU(cfg, factory) if cfg.style == "llama" else GeluMLP(cfg, factory)
         # Residual dropout on each branch's output, as nanoGPT; Identity when off (no cost).
-        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        # One site per branch: each draws its own mask (see factory.py for where they come from).
+        self.drop_attn = dropout(cfg.dropout)
+        self.drop_mlp = dropout(cfg.dropout)
         # The parallel block's two branches share one input and one summed output. Tensor
         # parallelism with sequence parallelism replaces these identities with ONE all-gather
         # of the shared input and ONE reduce-scatter of the summed output (MegaScale's point:
@@ -47,7 +50,28 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel:
             h = self.branch_in(x)
-            branches = self.drop(self.attn(self.norm1(h))) + self.drop(self.mlp(self.norm2(h)))
+            branches = self.drop_attn(self.attn(self.norm1(h))) + self.drop_mlp(self.mlp(self.norm2(h)))
             return x + self.branch_out(branches)
-        h = x + self.drop(self.attn(self.norm1(x)))
-        return h + self.drop(self.mlp(self.norm2(h)))
+        h = x + self.drop_attn(self.attn(self.norm1(x)))
+        return h + self.drop_mlp(self.mlp(self.norm2(h)))
+
+
+def _replay(block: nn.Module, x: torch.Tensor, stream: DropoutStream) -> torch.Tensor:
+    with use_stream(stream):
+        return block(x)
+
+
+def run_block(block: nn.Module, x: torch.Tensor, recompute: bool) -> torch.Tensor:
+    """block(x), under activation recomputation if asked, drawing the forward's dropout masks.
+
+    The recomputation runs in backward, after the micro-batch's dropout stream is out of use:
+    the stream goes to the checkpointed function as an argument and is put back there, so the
+    replay draws the same masks. With no stream, torch.utils.checkpoint replays the global
+    generator itself (its preserve_rng_state).
+    """
+    if not recompute:
+        return block(x)
+    stream = current_stream()
+    if stream is None:
+        return checkpoint(block, x, use_reentrant=False)
+    return checkpoint(_replay, block, x, stream, use_reentrant=False)

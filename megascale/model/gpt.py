@@ -11,11 +11,10 @@ import math
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megascale.config import ConfigError, ModelConfig
-from megascale.model.block import Block, make_norm
-from megascale.model.factory import LayerFactory
+from megascale.model.block import Block, make_norm, run_block
+from megascale.model.factory import LayerFactory, dropout, name_dropout_sites
 from megascale.model.rotary import Rotary
 from megascale.perf import flops
 
@@ -31,7 +30,7 @@ class Embedding(nn.Module):
         self.pos = (
             factory.embedding(cfg.seq_len, cfg.d_model, style="position") if cfg.style == "gpt" else None
         )
-        self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+        self.drop = dropout(cfg.dropout)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)
@@ -54,6 +53,7 @@ class GPT(nn.Module):
         self.head = factory.linear(cfg.d_model, cfg.vocab_size, bias=False, style="head")
         if cfg.tie_embeddings:
             self.head.weight = self.embed.tok.weight
+        name_dropout_sites(self)
         self.init_weights()
 
     # -----------------------------------------------------------------------------------
@@ -98,9 +98,9 @@ class GPT(nn.Module):
         x = self.embed(idx)
         recompute = self.cfg.recompute and torch.is_grad_enabled()
         for block in self.blocks:
-            # Recomputation keeps only each block's input; the RNG state is replayed, so
-            # dropout masks (and hence loss and gradients) are identical to a plain run.
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+            # Recomputation keeps only each block's input; the dropout masks are replayed, so
+            # loss and gradients are identical to a plain run.
+            x = run_block(block, x, recompute)
         return self.norm(x)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -146,19 +146,29 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        vocab_limit: int | None = None,
     ) -> torch.Tensor:
         """Append max_new_tokens sampled tokens to idx (b, t); returns (b, t + max_new_tokens).
 
-        The context is cropped to the last seq_len tokens. temperature 0 is greedy decoding.
-        Runs in eval mode (no dropout) and restores the previous mode. No KV cache: each step
-        re-reads the cropped context, which is fine for the sample texts of a training run.
+        The context is cropped to the last seq_len tokens. temperature 0 is greedy decoding;
+        top_k (>= 1, or None for no top-k) keeps the k most likely tokens. vocab_limit (the
+        tokenizer's vocabulary when model.vocab_size is padded past it) masks ids >= vocab_limit
+        to -inf first, so they are never chosen. Runs in eval mode (no dropout) and restores the
+        previous mode. No KV cache: each step re-reads the cropped context, which is fine for
+        the sample texts of a training run.
         """
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if vocab_limit is not None and not 1 <= vocab_limit <= self.cfg.vocab_size:
+            raise ValueError(f"vocab_limit must be in [1, {self.cfg.vocab_size}], got {vocab_limit}")
         was_training = self.training
         self.eval()
         try:
             for _ in range(max_new_tokens):
                 hidden = self.body(idx[:, -self.cfg.seq_len :])
                 logits = self.head(hidden[:, -1]).float()  # the head only for the last position
+                if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+                    logits[:, vocab_limit:] = float("-inf")
                 if temperature <= 0:
                     nxt = logits.argmax(dim=-1, keepdim=True)
                 else:

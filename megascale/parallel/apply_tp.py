@@ -24,7 +24,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from megascale.config import ConfigError, ModelConfig
-from megascale.model.factory import EMBEDDING_STYLES, LINEAR_STYLES, LayerFactory
+from megascale.model.factory import EMBEDDING_STYLES, LINEAR_STYLES, Dropout, LayerFactory
 from megascale.parallel import comm
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.tp_layers import (
@@ -125,10 +125,22 @@ def parallelize(model: nn.Module, factory: TPLayerFactory, fuse_parallel_block: 
             mark(p, None, p.shape[0] if p.ndim else 1, partial_grad=sp)
     for block in getattr(model, "blocks", ()) if mesh.tp > 1 else ():
         if fuse_parallel_block and getattr(block, "parallel", False) and hasattr(block, "branch_in"):
-            fuse_branches(block, mesh, sp)
+            fuse_branches(block, mesh, sp)  # its dropout acts on full-sequence partial sums: replicated
         elif sp:
             gather_before_attention(block.attn, mesh)
+            mark_dropout_split(block)  # the branch outputs are reduce-scattered: 1/tp of the sequence
+    if sp and getattr(model, "embed", None) is not None:
+        mark_dropout_split(model.embed)  # the embedding is reduce-scattered too
     return model
+
+
+def mark_dropout_split(module: nn.Module) -> None:
+    """The residual-stream dropout of `module` holds this rank's 1/tp of the sequence (SP): its masks
+    must differ per tp rank (Megatron's rule; see megascale/parallel/rng.py). Attention-probability
+    dropout is split already (this rank's heads)."""
+    for m in module.modules():
+        if isinstance(m, Dropout):
+            m.dropout_split = True
 
 
 def gather_before_attention(attn: nn.Module, mesh: Mesh) -> None:

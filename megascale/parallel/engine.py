@@ -1,9 +1,11 @@
 """One rank's model, optimizer and training step for any (dp, pp, tp, vpp, sequence_parallel) layout.
 
-The Trainer's parallel half, so that train.py stays one readable loop. Built once per rank,
-after torch.distributed and the mesh:
+The Trainer's engine for every world size, so that train.py stays one readable loop: a single
+process is a mesh of one (`Mesh(1, 1, 1, 0)`), for which nothing below calls torch.distributed
+and nothing costs time that the plain loop would not spend. Built once per rank, after
+torch.distributed and the mesh:
 
-    engine = ParallelEngine(cfg, mesh, device, dtype, full_state)   # full_state: one-process weights
+    engine = ParallelEngine(cfg, mesh, device, dtype, full_state)   # one-process weights (None: the seed's)
     loss = engine.forward_backward(x, y, autocast)                  # this dp rank's rows of the batch
     norm = engine.clip_grads(max_norm)                              # global norm over the mesh
     engine.step(); engine.zero_grad()
@@ -42,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megascale.checkpoint import rng_state, set_rng_state
+from megascale.checkpoint.rng import rng_state, set_rng_state
+from megascale.checkpoint.shards import Chunk, model_chunks, optimizer_chunks
 from megascale.config import Config
 from megascale.model import GPT
 from megascale.optim import Lamb, build_optimizer, clip_grad_norm_
@@ -58,6 +61,7 @@ from megascale.parallel.pipeline import (
     pipeline_step,
 )
 from megascale.parallel.pp_comm import FORWARD_TAG, P2P
+from megascale.parallel.rng import DropoutSeeds
 from megascale.parallel.tp_grads import grad_norm_reducer, lamb_norm_reducer, sync_partial_grads
 from megascale.parallel.tp_state import full_state_dict, load_full_state_dict
 
@@ -75,7 +79,7 @@ def layout_of(cfg: Config) -> dict:
 
 class ParallelEngine:
     def __init__(self, cfg: Config, mesh: Mesh, device: torch.device, dtype: torch.dtype,
-                 full_state: dict[str, Tensor]):
+                 full_state: dict[str, Tensor] | None = None):
         p, t = cfg.parallel, cfg.train
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.sequence_parallel = p.sequence_parallel and mesh.tp > 1
@@ -86,19 +90,34 @@ class ParallelEngine:
         self.factory = TPLayerFactory(mesh, self.sequence_parallel) if mesh.tp > 1 else None
         self.bubble = float("nan")  # this rank's idle fraction in the last step's pipeline
 
-        # Initialisation draws random numbers a single process does not: keep the RNG stream
-        # (dropout) where one process has it; the weights come from full_state anyway.
-        rng = rng_state()
-        with torch.device(device):  # under NCCL the stage's tied-weight broadcast needs device tensors
-            if self.pipelined:
-                model = PipelineStage(cfg.model, mesh, p.vpp, self.factory)
-            else:
-                model = GPT(cfg.model, self.factory)
-        if self.factory is not None:
-            parallelize(model, self.factory)
-        set_rng_state(rng)
-        self.model = model.to(dtype=dtype)
-        self.load_model_state(full_state)
+        self.single = mesh.world_size == 1
+        if self.single:  # one process: the seed's GPT is the model, built where it runs
+            model = GPT(cfg.model).to(device=device, dtype=dtype)
+            if full_state is not None:
+                model.load_state_dict(full_state)
+        else:
+            if full_state is None:  # the serial GPT of this seed, on CPU: every layout starts from it
+                full_state = GPT(cfg.model).to(dtype).state_dict()
+            # Initialisation draws random numbers a single process does not: keep the RNG stream
+            # (dropout) where one process has it; the weights come from full_state anyway.
+            rng = rng_state()
+            with torch.device(device):  # under NCCL the stage's tied-weight broadcast needs device tensors
+                if self.pipelined:
+                    model = PipelineStage(cfg.model, mesh, p.vpp, self.factory)
+                else:
+                    model = GPT(cfg.model, self.factory)
+            if self.factory is not None:
+                parallelize(model, self.factory)
+            set_rng_state(rng)
+            model = model.to(dtype=dtype)
+        self.model = model
+        if not self.single:
+            self.load_model_state(full_state)
+        self.forward = torch.compile(model) if t.compile else model
+        # dropout masks from (seed, step, micro-batch, site, tp coordinate): resumable, layout-aware
+        self.dropout = (DropoutSeeds(t.seed, mesh, micro_batches=self.n_micro) if cfg.model.dropout > 0
+                        else None)
+        self.tied = cfg.model.tie_embeddings
 
         self.params = list(self.model.parameters())
         duplicates = self.model.norm_duplicates() if self.pipelined else []
@@ -112,8 +131,32 @@ class ParallelEngine:
             self.optimizer = build_optimizer(self.model, cfg.optim)
             if isinstance(self.optimizer, Lamb) and mesh.tp > 1:
                 self.optimizer.norm_reducer = lamb_norm_reducer(self.optimizer, mesh)
-            self.norm_reducer = (self.model.grad_norm_reducer(self.params) if self.pipelined
-                                 else grad_norm_reducer(self.params, mesh))
+            if self.pipelined:
+                self.norm_reducer = self.model.grad_norm_reducer(self.params)
+            elif not self.single:
+                self.norm_reducer = grad_norm_reducer(self.params, mesh)
+
+    # ------------------------------------------------------------------ checkpoint state (shards.py)
+
+    def model_chunks(self) -> list[Chunk]:
+        """This rank's boxes of the global weights (views, not copies)."""
+        return model_chunks(self.model, self.mesh, self.tied)
+
+    def optimizer_chunks(self) -> list[Chunk]:
+        """This rank's boxes of the global optimizer state (views, not copies)."""
+        return optimizer_chunks(self.optimizer, self.model, self.mesh, self.tied)
+
+    @torch.no_grad()
+    def broadcast_weights(self) -> None:
+        """Data-parallel replica 0's weights to the other replicas (a restore read them once)."""
+        if self.mesh.dp == 1:
+            return
+        src = self.mesh.rank_at(0, self.mesh.pp_rank, self.mesh.tp_rank)
+        flat = torch.cat([p.data.reshape(-1) for p in self.params])
+        dist.broadcast(flat, src=src, group=self.mesh.dp_group)
+        torch._foreach_copy_([p.data for p in self.params],
+                             [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in self.params]),
+                                                            self.params, strict=True)])
 
     # ------------------------------------------------------------------ weights
 
@@ -134,6 +177,8 @@ class ParallelEngine:
         """
         if self.mesh.dp_rank != 0:
             return None
+        if self.single:
+            return self.model.state_dict()
         if self.pipelined:
             full = gather_stage_state_dict(self.model)
         elif self.factory is not None:
@@ -144,8 +189,9 @@ class ParallelEngine:
 
     # ------------------------------------------------------------------ the step
 
-    def forward_backward(self, x: Tensor, y: Tensor, autocast: Autocast) -> Tensor:
-        """Forwards and backwards of this dp rank's rows; the mean loss over them (float64, 0-dim).
+    def forward_backward(self, x: Tensor, y: Tensor, autocast: Autocast, step: int = 0) -> Tensor:
+        """Forwards and backwards of this dp rank's rows at optimizer step `step` (0-based; it seeds
+        dropout); the mean loss over them (float64, 0-dim).
 
         Under pp every stage gets the (last stage's) loss; under tp every tp rank computes it.
         """
@@ -153,7 +199,8 @@ class ParallelEngine:
         mbs = [(x[i * mb:(i + 1) * mb], y[i * mb:(i + 1) * mb]) for i in range(n)]
         if self.pipelined:
             result = pipeline_step(self.model, mbs, mb, self.schedule, self.sequence_parallel,
-                                   forward_context=autocast)
+                                   forward_context=autocast,
+                                   dropout=self.dropout.for_step(step) if self.dropout else None)
             self.bubble = result.bubble
             return torch.tensor(result.loss, dtype=torch.float64, device=self.device)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -161,8 +208,8 @@ class ParallelEngine:
             # the distributed optimizer reduces the gradients once, on the last micro-batch
             accumulate = self.distributed and i < n - 1
             with self.optimizer.no_sync() if accumulate else contextlib.nullcontext():
-                with autocast():
-                    loss = self.model(xs, ys)
+                with autocast(), self.dropout.step(step, i) if self.dropout else contextlib.nullcontext():
+                    loss = self.forward(xs, ys)
                 (loss / n).backward()
             loss_sum += loss.detach()
         return loss_sum / n
@@ -176,7 +223,7 @@ class ParallelEngine:
             return self.optimizer.clip_grad_norm_(max_norm)
         if self.pipelined:
             self.model.finish_grads()
-        else:
+        elif not self.single:
             sync_partial_grads(self.model, self.mesh)
         return clip_grad_norm_(self.params, max_norm, self.norm_reducer)
 
@@ -195,6 +242,8 @@ class ParallelEngine:
         Every rank then stops after the same step. The loss counts once per dp replica (from its
         last stage's tp rank 0).
         """
+        if self.single:
+            return loss.item(), stop_signal
         counted = self.mesh.tp_rank == 0 and self.mesh.is_last_stage
         sig = float(stop_signal or 0)
         buf = torch.stack([loss.to(torch.float64) / self.mesh.dp if counted else loss.new_zeros(()),
@@ -224,7 +273,8 @@ class ParallelEngine:
         counted = mesh.tp_rank == 0 and mesh.is_last_stage
         if not counted:
             total.zero_()
-        dist.all_reduce(total)
+        if not self.single:
+            dist.all_reduce(total)
         return total.item() / batches
 
     def _pipeline_loss(self, x: Tensor, y: Tensor) -> Tensor | None:

@@ -6,7 +6,8 @@ One step on every rank of the mesh (dp and tp ranks too), after zero_grad:
     parallelize(stage, factory)                                          # under TP, as for the GPT
     load_stage_state_dict(stage, full)                                   # optional: one-process weights
     ...
-    result = pipeline_step(stage, microbatches, micro_batch, schedule)   # forwards + backwards
+    result = pipeline_step(stage, microbatches, micro_batch, schedule,   # forwards + backwards
+                           dropout=seeds.for_step(step))                 # seeds: parallel/rng.py
     stage.finish_grads()                                                 # TP partial sums, tied copies
     clip_grad_norm_(params, max_norm, norm_reducer=stage.grad_norm_reducer(params))
     optimizer.step()                                                     # result.loss on every rank
@@ -92,11 +93,14 @@ def pipeline_step(
     schedule: str | None = None,
     sequence_parallel: bool = False,
     forward_context: Callable[[], AbstractContextManager] | None = None,
+    dropout: Callable[[int], AbstractContextManager] | None = None,
 ) -> StepResult:
     """Forwards and backwards of one step on this rank; gradients accumulate in the stage's parameters.
 
     forward_context (e.g. the Trainer's autocast) is entered around each forward only, as the
-    Trainer does on one process: backward runs outside it.
+    Trainer does on one process: backward runs outside it. dropout(i) (DropoutSeeds.for_step(step),
+    megascale/parallel/rng.py) is entered around each forward of micro-batch i: its masks, which
+    recomputation in the backward replays by itself. None: dropout draws from the global generator.
     """
     mesh, m = stage.mesh, len(microbatches)
     pp, vpp = mesh.pp, stage.vpp
@@ -118,7 +122,8 @@ def pipeline_step(
                 x = idx
             else:
                 x = comm.recv(mesh.pp_prev_rank, FORWARD_TAG).requires_grad_()
-            with forward_context() if forward_context else nullcontext():
+            with forward_context() if forward_context else nullcontext(), \
+                    dropout(op.microbatch) if dropout else nullcontext():
                 out = stage.forward_chunk(op.chunk, x, targets if vs == last_vs else None)
             if vs == last_vs:
                 loss_sum += out.detach()

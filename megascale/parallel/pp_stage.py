@@ -27,11 +27,10 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from megascale.config import ConfigError, ModelConfig, ParallelConfig
-from megascale.model.block import Block, make_norm
-from megascale.model.factory import LayerFactory
+from megascale.model.block import Block, make_norm, run_block
+from megascale.model.factory import LayerFactory, name_dropout_sites
 from megascale.model.gpt import GPT, IGNORE_INDEX, Embedding, check_model_config
 from megascale.model.rotary import Rotary
 from megascale.parallel.mesh import Mesh
@@ -142,6 +141,7 @@ class PipelineStage(nn.Module):
         self.tied = cfg.tie_embeddings and pp > 1 and (mesh.is_first_stage or mesh.is_last_stage)
         if cfg.tie_embeddings and pp == 1:
             self.head.weight = self.embed.tok.weight
+        name_dropout_sites(self)  # the GPT's names ("blocks.<global index>..."), so the GPT's masks
         GPT.init_weights(self)  # the GPT's rule reads only cfg, modules() and named_parameters()
         self.embedding_group = mesh.emb_group if cfg.tie_embeddings and pp > 1 else None
         if self.tied:
@@ -158,8 +158,7 @@ class PipelineStage(nn.Module):
             x = self.embed(x)
         recompute = self.cfg.recompute and torch.is_grad_enabled()
         for i in self.chunk_layers[chunk]:
-            block = self.blocks[i]
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+            x = run_block(self.blocks[i], x, recompute)
         if chunk != self.last_chunk:
             return x
         logits = self.head(self.norm(x))

@@ -1,0 +1,356 @@
+"""The checkpoint flow of a run: snapshot, persist in the background, restore the newest state.
+
+    mgr = CheckpointManager(cfg, run_dir, mesh, rank, world, log)     # collective (a gloo group)
+    info = mgr.restore(state)        # collective: the newest complete state, or None (fresh start)
+    ...
+    mgr.before_update()              # every step, before the optimizer changes the weights
+    mgr.save(step, state, persist)   # after a step: stage 1 now, stage 2 queued in the background
+    mgr.finish()                     # wait for stage 2; clear host memory once storage has the state
+
+`state` is the Trainer's `TrainState`: it gives the rank's boxes (shards.py) of the weights and
+optimizer state, and its small JSON state (RNG, loader position).
+
+Flow of one checkpoint (docs/architecture.md draws it):
+
+1. Stage 1 (`snapshot.py`): copy the boxes into a host-memory slot under /dev/shm, in the
+   background while the next step's forwards and backwards run; the update waits for it.
+2. Stage 2 (`storage.py`): a background thread on every rank persists the slot in DCP format,
+   each rank its own boxes, then rank 0 writes the commit marker with every file's checksum.
+   A failure is one logged line; training goes on and the previous checkpoint stays newest.
+3. Restore: the newest complete state wins: the host-memory snapshot every rank still has
+   (a restarted process on the same host, same layout), else the newest committed checkpoint
+   whose checksums verify (else the one before it). From storage any layout reads any other
+   layout's checkpoint: each rank reads the boxes it needs; with dp > 1 one replica reads the
+   weights and broadcasts them to the others (`checkpoint.broadcast_restore`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megascale.checkpoint.shards import Chunk, ensure_optimizer_state
+from megascale.checkpoint.snapshot import HostSnapshot
+from megascale.checkpoint.storage import (
+    CheckpointError,
+    PersistResult,
+    Storage,
+    load_chunks,
+    persist,
+    stored_tensors,
+    verify,
+)
+from megascale.config import Config
+from megascale.errors import UserError
+from megascale.fault.inject import inject
+
+
+class TrainState(Protocol):
+    """What the manager needs of the Trainer's state (parallel/engine.py's ParallelEngine has it)."""
+
+    def model_chunks(self) -> list[Chunk]: ...
+
+    def optimizer_chunks(self) -> list[Chunk]: ...
+
+    @property
+    def optimizer(self): ...
+
+    def broadcast_weights(self) -> None: ...  # dp replica 0's weights to the other replicas
+
+
+@dataclass
+class RestoreInfo:
+    step: int
+    source: str  # "memory" or "storage"
+    where: str  # the checkpoint's path (storage) or the memory directory
+    extra: dict[str, Any]  # this rank's JSON state: loader, rng (rng only when the layout is the same)
+    seconds: float
+    bytes_read: int = 0  # this rank's reads from storage (checksum verification apart)
+    bytes_verified: int = 0
+    same_layout: bool = True
+    skipped: list[str] = field(default_factory=list)  # newer checkpoints that could not be used, why
+
+
+def default_memory_dir() -> Path:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / "megascale"
+    return Path(tempfile.gettempdir()) / "megascale-snapshots"
+
+
+def _rank_extra_fqn(rank: int) -> str:
+    return f"rank/{rank:05d}/extra"
+
+
+class CheckpointManager:
+    def __init__(self, cfg: Config, run_dir: Path, mesh, rank: int, world: int, layout: dict,
+                 log: Callable[[str], None]):
+        c = cfg.checkpoint
+        self.cfg, self.mesh, self.rank, self.world = cfg, mesh, rank, world
+        self.layout, self.log = layout, log
+        self.default_storage = not c.path
+        self.storage = Storage(c.path or run_dir.resolve() / "checkpoints")
+        # stage 2's collectives run in a background thread: a gloo group of their own keeps them
+        # apart from training's (NCCL or gloo) collectives, whatever order the two threads go in
+        self.group = dist.new_group(backend="gloo") if world > 1 else None
+        run_key = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        self.memory_dir = Path(c.memory_dir or default_memory_dir()) / run_key
+        identity = {"run": str(run_dir.resolve()), "layout": layout, "world": world, "rank": rank}
+        self.snapshots = HostSnapshot(self.memory_dir if c.memory else None, rank, identity,
+                                      shared=c.memory, background=c.async_snapshot)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="persist") if c.async_persist else None
+        self._pending: list[Future] = []
+        self._events: list[dict[str, Any]] = []
+        self._events_lock = threading.Lock()
+        self.committed: set[int] = set()
+        self._snapshot_step = -1
+        self.last_blocked_s = 0.0
+
+    # ------------------------------------------------------------------ saving
+
+    def before_update(self) -> None:
+        """Stage 1's copy must be complete before the optimizer changes the weights."""
+        t0 = time.perf_counter()
+        self.snapshots.wait()
+        self.last_blocked_s += time.perf_counter() - t0
+
+    def save(self, step: int, state: TrainState, extra: dict[str, Any], persist_it: bool) -> float:
+        """Snapshot `step` (stage 1) and, if `persist_it`, queue stage 2. Returns the seconds training
+        was blocked here (the copy itself overlaps the next step unless async_snapshot is off)."""
+        t0 = time.perf_counter()
+        if persist_it and step in self.committed:  # re-saving a committed step: it is the same state
+            persist_it = False
+        if step != self._snapshot_step:
+            chunks = state.model_chunks() + state.optimizer_chunks()
+            self.snapshots.take(step, chunks, extra)
+            self._snapshot_step = step
+        if persist_it:
+            self._pending = [f for f in self._pending if not f.done()]
+            if self._pool is None:
+                self._persist(step)
+            else:
+                self._pending.append(self._pool.submit(self._persist, step))
+        blocked = time.perf_counter() - t0
+        self.last_blocked_s = blocked
+        return blocked
+
+    def _persist(self, step: int) -> PersistResult:
+        views, extra = self.snapshots.acquire(step)
+        try:
+            blob = torch.frombuffer(bytearray(json.dumps(extra.get("rng", {})).encode()), dtype=torch.uint8)
+            own = Chunk(_rank_extra_fqn(self.rank), tuple(blob.shape), (0,), blob, True)
+            meta = None
+            if self.rank == 0:
+                meta = {"world": self.world, "layout": self.layout, "loader": extra.get("loader"),
+                        "config": self.cfg.to_dict()}
+            result = persist(self.storage, step, [*views, own], meta, self.group, self.rank, self.world,
+                             inject)
+        finally:
+            self.snapshots.release(step)
+        if result.ok:
+            self.committed.add(step)
+            if self.rank == 0:
+                self._trim()
+        else:
+            newest = max(self.committed) if self.committed else None
+            self.log(f"checkpoint: persisting step {step} to {self.storage.url(result.path)} failed "
+                     f"({result.error}); training goes on"
+                     + (f", step {newest} stays the newest checkpoint" if newest is not None else ""))
+        with self._events_lock:
+            self._events.append({"step": step, "ok": result.ok, "persist_s": result.seconds,
+                                 "bytes": result.bytes_written, "error": result.error})
+        return result
+
+    def _trim(self) -> None:
+        """Keep the newest `keep` complete checkpoints; drop leftovers of failed persists."""
+        done = self.storage.committed()
+        for _, path in done[:-self.cfg.checkpoint.keep]:
+            self.storage.remove(path)
+        newest = done[-1][0] if done else -1
+        for s, path in self.storage.partial():
+            if s < newest:
+                self.storage.remove(path)
+
+    def events(self) -> list[dict[str, Any]]:
+        """Stage 2 results since the last call (for the metrics log)."""
+        with self._events_lock:
+            out, self._events = self._events, []
+        return out
+
+    def wait(self) -> None:
+        """Until every queued persist is done."""
+        for f in self._pending:
+            f.result()
+        self._pending = []
+
+    def finish(self, step: int) -> bool:
+        """Wait for stage 2. Once storage holds `step`, the host-memory copy is freed. True if it does."""
+        self.wait()
+        safe = step in self.committed
+        if safe:
+            self.snapshots.clear()
+        return safe
+
+    def close(self) -> None:
+        self.wait()
+        self.snapshots.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ restoring
+
+    def fresh_start(self) -> None:
+        """Forget host-memory snapshots of an earlier run of this directory."""
+        self.snapshots.clear()
+
+    def restore(self, state: TrainState) -> RestoreInfo | None:
+        """Collective: load the newest complete state into `state`; None when there is none."""
+        t0 = time.perf_counter()
+        listing = [self.storage.committed() if self.rank == 0 else None]
+        if self.world > 1:
+            dist.broadcast_object_list(listing, src=0, group=self.group)
+        stored = listing[0]
+        mem = self._common_memory_steps()
+        newest_stored = stored[-1][0] if stored else -1
+        skipped: list[str] = []
+        if mem and mem[0] >= newest_stored:
+            info = self._restore_memory(mem[0], state)
+            if info is not None:
+                info.seconds = time.perf_counter() - t0
+                self.committed = {s for s, _ in stored}
+                return info
+            skipped.append(f"host memory step {mem[0]}: unusable")
+        for step, path in reversed(stored):
+            problem = self._check_stored(path)
+            if problem is not None:
+                self.log(f"checkpoint: {problem}; falling back to an earlier checkpoint")
+                skipped.append(problem)
+                continue
+            info = self._restore_storage(step, path, state)
+            info.seconds, info.skipped = time.perf_counter() - t0, skipped
+            self.committed = {s for s, _ in stored}
+            return info
+        if skipped:
+            raise UserError(f"checkpoint {self.storage.display}: no usable checkpoint ({skipped[-1]}); "
+                            "start fresh "
+                            "with checkpoint.resume=false (the old checkpoints are archived)")
+        return None
+
+    def _common_memory_steps(self) -> list[int]:
+        mine = self.snapshots.find()
+        if self.world == 1:
+            return mine
+        every: list[list[int] | None] = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        common = set(every[0] or [])
+        for s in every[1:]:
+            common &= set(s or [])
+        return sorted(common, reverse=True)
+
+    def _restore_memory(self, step: int, state: TrainState) -> RestoreInfo | None:
+        error = ""
+        extra: dict[str, Any] = {}
+        try:
+            keys = self._memory_keys(step)
+            ensure_optimizer_state(state.optimizer, keys)
+            extra = self.snapshots.restore(step, state.model_chunks() + state.optimizer_chunks())
+        except (OSError, ValueError, KeyError) as e:
+            error = f"{type(e).__name__}: {e}"
+        if self._agree(error):
+            self.log(f"checkpoint: the host-memory snapshot of step {step} cannot be used "
+                     f"({error or 'another rank'})"
+                     "; restoring from storage")
+            return None
+        self._snapshot_step = step
+        return RestoreInfo(step, "memory", str(self.memory_dir), extra, 0.0)
+
+    def _memory_keys(self, step: int) -> dict[str, tuple[bool, torch.dtype]]:
+        for i in (0, 1):
+            h = self.snapshots._header(i)
+            if h is not None and h["step"] == step:
+                return _optimizer_keys((fqn, tuple(shape), dtype)
+                                       for fqn, _, _, dtype, _, _, shape in h["table"])
+        raise KeyError(f"snapshot of step {step}")
+
+    def _check_stored(self, path: str) -> str | None:
+        """Verify every file's checksum, the files split over the ranks; the first problem, or None."""
+        record, problem = None, None
+        try:
+            record = self.storage.read_commit(path)
+        except CheckpointError as e:
+            problem = str(e)
+        box = [record, problem]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        record, problem = box
+        if problem:
+            return problem
+        names = sorted(record["files"])
+        mine = verify(self.storage, path, record, names[self.rank::self.world])
+        self._record = record
+        self._verified = sum(record["files"][n]["bytes"] for n in names[self.rank::self.world])
+        return self._agree(mine or "") or None
+
+    def _restore_storage(self, step: int, path: str, state: TrainState) -> RestoreInfo:
+        record = self._record
+        same = record.get("layout") == self.layout and record.get("world") == self.world
+        error, nbytes, extra = "", 0, {}
+        try:
+            keys = _optimizer_keys((k, tuple(md.size), str(md.properties.dtype))
+                                   for k, md in stored_tensors(self.storage, path).items())
+            ensure_optimizer_state(state.optimizer, keys)
+            broadcast = self.cfg.checkpoint.broadcast_restore and self.mesh.dp > 1
+            chunks = state.optimizer_chunks()
+            if not broadcast or self.mesh.dp_rank == 0:
+                chunks = state.model_chunks() + chunks
+            if same:
+                n = self._extra_size(path)
+                blob = torch.zeros(n, dtype=torch.uint8)
+                chunks.append(Chunk(_rank_extra_fqn(self.rank), (n,), (0,), blob, True))
+            nbytes = load_chunks(self.storage, path, chunks)
+            if same:
+                extra["rng"] = json.loads(bytes(blob.tolist()).decode())
+        except UserError as e:
+            error = str(e)
+        error = self._agree(error)
+        if error:
+            raise UserError(error)
+        if self.cfg.checkpoint.broadcast_restore and self.mesh.dp > 1:
+            state.broadcast_weights()
+        extra["loader"] = record.get("loader")
+        return RestoreInfo(step, "storage", self.storage.url(path), extra, 0.0, nbytes, self._verified, same)
+
+    def _extra_size(self, path: str) -> int:
+        md = stored_tensors(self.storage, path).get(_rank_extra_fqn(self.rank))
+        if md is None:
+            raise CheckpointError(f"checkpoint {self.storage.url(path)}: no state of rank {self.rank}")
+        return int(md.size[0])
+
+    def _agree(self, error: str) -> str:
+        if self.world == 1:
+            return error
+        out: list[str | None] = [None] * self.world
+        dist.all_gather_object(out, error, group=self.group)
+        return next((e for e in out if e), "")
+
+
+def _optimizer_keys(entries) -> dict[str, tuple[bool, torch.dtype]]:
+    """optim/<key>/<param> entries (fqn, shape, dtype name) -> {key: (is_scalar, dtype)}."""
+    keys = {}
+    for fqn, shape, dtype in entries:
+        if fqn.startswith("optim/"):
+            key = fqn.split("/", 2)[1]
+            keys[key] = (len(shape) == 0, getattr(torch, str(dtype).removeprefix("torch.")))
+    return keys

@@ -1,0 +1,232 @@
+"""Stage 1: a copy of a rank's state in host memory that outlives the process.
+
+Each rank owns two *slots*, each one file under `checkpoint.memory_dir` (tmpfs: /dev/shm)
+mapped into the process (`torch.from_file(shared=True)`), sized once for the rank's boxes
+(shards.py) and reused, so a snapshot allocates nothing: it is one `copy_` per box. A
+slot's JSON header is written (atomically) only after its copy is complete and deleted
+before the slot is overwritten, so a header always describes a whole snapshot; with two
+slots the previous complete snapshot survives while the next is being taken, and while
+stage 2 persists one slot the other takes the next snapshot.
+
+The copy may run in a background thread while the next step's forwards and backwards run:
+the weights and optimizer state do not change until that step's update, which calls
+`wait()` first (the Trainer does). A restarted process on the same host (same run
+directory, same rank and layout) finds the newest header and restores from memory.
+
+With `shared=False` (checkpoint.memory = false) the slots are private memory: stage 2 still
+persists in the background, but nothing survives the process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megascale.checkpoint.shards import Chunk
+
+_ALIGN = 64
+_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
+                                torch.int32, torch.uint8, torch.bool)}
+
+
+def _nbytes(c: Chunk) -> int:
+    return math.prod(c.sizes) * c.tensor.element_size()
+
+
+@dataclass
+class _Slot:
+    index: int
+    buffer: torch.Tensor | None = None  # uint8, the whole slot
+    table: list | None = None  # [(fqn, offsets, sizes, dtype, byte offset, write)]
+    step: int = -1  # of the complete snapshot it holds; -1: none
+    extra: dict | None = None
+    busy: int = 0  # persists reading it
+
+
+class HostSnapshot:
+    def __init__(self, directory: str | Path | None, rank: int, identity: dict[str, Any], shared: bool = True,
+                 background: bool = True):
+        """directory: where the slot files live (shared); identity: what a restored snapshot must match
+        (layout, world size, rank), compared field by field."""
+        self.dir = Path(directory) if directory is not None else None
+        self.rank, self.identity, self.shared = rank, identity, shared and directory is not None
+        self.slots = [_Slot(0), _Slot(1)]
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot") if background else None
+        self._copy: Future | None = None
+        self._lock = threading.Condition()
+        self.latest: _Slot | None = None
+
+    # ---- files
+
+    def _file(self, slot: int, ext: str) -> Path:
+        assert self.dir is not None
+        return self.dir / f"rank{self.rank:05d}.slot{slot}.{ext}"
+
+    def _allocate(self, slot: _Slot, table: list, nbytes: int) -> None:
+        if slot.buffer is not None and slot.table is not None and [t[:4] for t in slot.table] == \
+                [t[:4] for t in table] and slot.buffer.numel() >= nbytes:
+            slot.table = table
+            return
+        if self.shared:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            f = self._file(slot.index, "bin")
+            with open(f, "wb") as fh:
+                fh.truncate(max(nbytes, 1))
+            slot.buffer = torch.from_file(str(f), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        else:
+            slot.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        slot.table = table
+
+    @staticmethod
+    def _views(slot: _Slot) -> list[Chunk]:
+        out = []
+        for fqn, offsets, sizes, dtype, off, write, shape in slot.table:
+            d = _DTYPES[dtype]
+            n = math.prod(sizes) * torch.empty((), dtype=d).element_size()
+            out.append(Chunk(fqn, tuple(shape), tuple(offsets), slot.buffer[off:off + n].view(d).view(sizes),
+                             write))
+        return out
+
+    # ---- taking a snapshot
+
+    def take(self, step: int, chunks: list[Chunk], extra: dict[str, Any]) -> None:
+        """Start copying `chunks` into a free slot (in the background if enabled)."""
+        self.wait()
+        table, off = [], 0
+        for c in chunks:
+            table.append((c.fqn, list(c.offsets), list(c.sizes), str(c.tensor.dtype), off, c.write,
+                          list(c.global_shape)))
+            off += -(-_nbytes(c) // _ALIGN) * _ALIGN
+        with self._lock:  # a slot that is neither the newest snapshot nor being persisted
+            while True:
+                free = [s for s in self.slots if s is not self.latest and not s.busy]
+                if free:
+                    slot = free[0]
+                    break
+                self._lock.wait()
+            if self.shared:
+                self._file(slot.index, "json").unlink(missing_ok=True)
+            slot.step = -1
+        self._allocate(slot, table, off)
+        views = self._views(slot)
+
+        def copy() -> None:
+            with torch.no_grad():
+                for v, c in zip(views, chunks, strict=True):
+                    v.tensor.copy_(c.tensor)
+            slot.extra = extra
+            if self.shared:
+                header = {"step": step, "identity": self.identity, "table": slot.table, "extra": extra}
+                tmp = self._file(slot.index, "json.tmp")
+                tmp.write_text(json.dumps(header))
+                os.replace(tmp, self._file(slot.index, "json"))
+            with self._lock:
+                slot.step = step
+                self.latest = slot
+                self._lock.notify_all()
+
+        self._copy = self._pool.submit(copy) if self._pool is not None else _done(copy)
+
+    def wait(self) -> None:
+        """Until the copy in flight is complete (before the weights change)."""
+        if self._copy is not None:
+            self._copy.result()
+            self._copy = None
+
+    # ---- handing a slot to stage 2
+
+    def acquire(self, step: int) -> tuple[list[Chunk], dict[str, Any]]:
+        """The boxes of the snapshot of `step`, pinned until `release` (stage 2 reads them)."""
+        self.wait()
+        with self._lock:
+            slot = next(s for s in self.slots if s.step == step)
+            slot.busy += 1
+        return self._views(slot), dict(slot.extra or {})
+
+    def release(self, step: int) -> None:
+        with self._lock:
+            for s in self.slots:
+                if s.step == step and s.busy:
+                    s.busy -= 1
+                    break
+            self._lock.notify_all()
+
+    # ---- after a restart
+
+    def find(self) -> list[int]:
+        """Steps of the complete snapshots this rank left in memory for this identity, newest first."""
+        if not self.shared:
+            return []
+        steps = []
+        for i in (0, 1):
+            h = self._header(i)
+            if h is not None:
+                steps.append(h["step"])
+        return sorted(steps, reverse=True)
+
+    def _header(self, i: int) -> dict | None:
+        f = self._file(i, "json")
+        try:
+            h = json.loads(f.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(h, dict) or h.get("identity") != self.identity or not self._file(i, "bin").exists():
+            return None
+        return h
+
+    def restore(self, step: int, chunks: list[Chunk]) -> dict[str, Any]:
+        """Copy the snapshot of `step` into `chunks` (the same boxes it was taken of); its extra state."""
+        for i in (0, 1):
+            h = self._header(i)
+            if h is None or h["step"] != step:
+                continue
+            table = [tuple(t) for t in h["table"]]
+            mine = [(c.fqn, list(c.offsets), list(c.sizes), str(c.tensor.dtype)) for c in chunks]
+            if [t[:4] for t in table] != mine:
+                raise ValueError("the snapshot holds other tensors than this rank's state")
+            slot = self.slots[i]
+            nbytes = table[-1][4] + 1 if table else 1
+            size = self._file(i, "bin").stat().st_size
+            slot.buffer = torch.from_file(str(self._file(i, "bin")), shared=True, size=max(size, nbytes),
+                                          dtype=torch.uint8)
+            slot.table, slot.step, slot.extra = [list(t) for t in table], step, h["extra"]
+            with torch.no_grad():
+                for v, c in zip(self._views(slot), chunks, strict=True):
+                    c.tensor.copy_(v.tensor)
+            self.latest = slot
+            return h["extra"]
+        raise FileNotFoundError(f"no snapshot of step {step}")
+
+    def clear(self) -> None:
+        """Delete this rank's slot files (a fresh start, or the state is safe in storage)."""
+        self.wait()
+        if self.dir is None:
+            return
+        for i in (0, 1):
+            for ext in ("json", "bin", "json.tmp"):
+                self._file(i, ext).unlink(missing_ok=True)
+        self.slots = [_Slot(0), _Slot(1)]
+        self.latest = None
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _done(fn) -> Future:
+    f: Future = Future()
+    try:
+        fn()
+        f.set_result(None)
+    except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+        f.set_exception(e)
+    return f

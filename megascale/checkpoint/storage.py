@@ -1,0 +1,447 @@
+"""Stage 2: checkpoints in storage, in `torch.distributed.checkpoint` (DCP) format, committed atomically.
+
+Layout under the storage root (`checkpoint.path`, default RUN_DIR/checkpoints; a local path or
+any fsspec URL)::
+
+    step_000100/__0_0.distcp     rank 0's boxes (shards.py), written by DCP
+    step_000100/__1_0.distcp     rank 1's ...
+    step_000100/.metadata        DCP's metadata: every tensor's global shape and where its boxes lie
+    step_000100/COMMIT.json      written last, by rank 0, after every rank's files are durable:
+                                 step, sha256 and size of every file, the loader position, the
+                                 (redacted) config and the layout that saved it
+
+A directory without COMMIT.json is not a checkpoint: a writer killed mid-persist, a full disk
+or an I/O error leaves the previous complete checkpoint the newest one. DCP's own tools read
+the directory (`torch.distributed.checkpoint.load`, `format_utils.dcp_to_torch_save`).
+
+Reading never unpickles anything but DCP's metadata classes: `.metadata` is a pickle by
+DCP's design, so it is read with an unpickler that admits only those classes, torch dtypes
+and sizes; tensor data is read by DCP with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pickle
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megascale.checkpoint.shards import Chunk
+from megascale.errors import UserError
+
+PREFIX = "step_"
+COMMIT = "COMMIT.json"
+FORMAT = 1
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used: the message names the file and the problem."""
+
+
+# ---------------------------------------------------------------------------------------
+# Where checkpoints live
+
+
+class Storage:
+    """The storage root: a local directory or an fsspec URL, with the few operations we need."""
+
+    def __init__(self, root: str | Path):
+        root = str(root)
+        self.is_url = "://" in root and not root.startswith("file://")
+        if self.is_url:
+            self.fs, self.root = fsspec.core.url_to_fs(root)
+            self.protocol = root.split("://", 1)[0]
+        else:
+            self.fs, self.root = LocalFileSystem(), os.path.abspath(root.removeprefix("file://"))
+            self.protocol = "file"
+        self.display = root
+
+    def join(self, *parts: str) -> str:
+        return str(PurePosixPath(self.root, *parts)) if self.is_url else os.path.join(self.root, *parts)
+
+    def url(self, path: str) -> str:
+        return f"{self.protocol}://{path}" if self.is_url else path
+
+    def step_dir(self, step: int) -> str:
+        return self.join(f"{PREFIX}{step:06d}")
+
+    def _steps(self) -> list[tuple[int, str]]:
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        out = []
+        for e in entries:
+            name = PurePosixPath(str(e)).name
+            if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+                out.append((int(name[len(PREFIX):]), self.join(name)))
+        return sorted(out)
+
+    def committed(self) -> list[tuple[int, str]]:
+        """Complete checkpoints (with a commit marker), oldest first."""
+        return [(s, p) for s, p in self._steps() if self.fs.exists(f"{p}/{COMMIT}")]
+
+    def partial(self) -> list[tuple[int, str]]:
+        return [(s, p) for s, p in self._steps() if not self.fs.exists(f"{p}/{COMMIT}")]
+
+    def read_commit(self, path: str) -> dict[str, Any]:
+        f = f"{path}/{COMMIT}"
+        try:
+            with self.fs.open(f, "rb") as fh:
+                record = json.loads(fh.read())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {self.url(f)}: cannot be read ({e})") from None
+        if not isinstance(record, dict) or record.get("format") != FORMAT or "files" not in record:
+            raise CheckpointError(f"checkpoint {self.url(f)}: not a megascale commit marker")
+        return record
+
+    def write_commit(self, path: str, record: dict[str, Any]) -> None:
+        """The commit marker, atomically and durably (tmp, fsync, rename, fsync the directory)."""
+        data = json.dumps(record, indent=1).encode()
+        if self.is_url:
+            with self.fs.open(f"{path}/{COMMIT}", "wb") as fh:  # object stores: a PUT is atomic
+                fh.write(data)
+            return
+        tmp = os.path.join(path, COMMIT + ".tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, os.path.join(path, COMMIT))
+        fsync_dir(path)
+
+    def remove(self, path: str) -> None:
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def sha256(self, path: str) -> tuple[str, int]:
+        h, n = hashlib.sha256(), 0
+        with self.fs.open(path, "rb") as fh:
+            while block := fh.read(1 << 22):
+                h.update(block)
+                n += len(block)
+        return h.hexdigest(), n
+
+    def writer(self, path: str):
+        if self.is_url:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            return FsspecWriter(self.url(path), single_file_per_rank=True, sync_files=True, thread_count=1)
+        return FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+
+    def reader(self, path: str):
+        if self.is_url:
+            return _SafeFsspecReader(self.url(path))
+        return _SafeFileSystemReader(path)
+
+
+def fsync_dir(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------
+# Safe metadata
+
+
+_TORCH_NAMES = {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch dtypes/sizes/layouts and paths; nothing else."""
+
+    def find_class(self, module: str, name: str):
+        allowed = (module.startswith("torch.distributed.checkpoint.")
+                   or (module == "torch" and name in _TORCH_NAMES)
+                   or (module == "torch.serialization" and name == "_get_layout")
+                   or (module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath")))
+        if allowed:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_metadata(stream) -> Metadata:
+    md = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+    if not isinstance(md, Metadata):
+        raise pickle.UnpicklingError("not DCP metadata")
+    return md
+
+
+class _SafeReadMixin:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as fh:
+            md = read_metadata(fh)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class _SafeFileSystemReader(_SafeReadMixin, FileSystemReader):
+    pass
+
+
+def _fsspec_reader_class():
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return type("_SafeFsspecReader", (_SafeReadMixin, FsspecReader), {})
+
+
+def _SafeFsspecReader(path: str):  # noqa: N802 - a class made on first use (fsspec import is lazy)
+    return _fsspec_reader_class()(path)
+
+
+# ---------------------------------------------------------------------------------------
+# DCP planners over our boxes
+
+
+class _ChunkSavePlanner(DefaultSavePlanner):
+    """Saves the given boxes (shards.Chunk with write=True) under their global names."""
+
+    def __init__(self, chunks: list[Chunk]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = {c.key: c for c in chunks if c.write}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for c in self.chunks.values():
+            items.append(WriteItem(
+                index=MetadataIndex(c.fqn, torch.Size(c.offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)),
+                    properties=TensorProperties.create_from_tensor(c.tensor),
+                    size=torch.Size(c.global_shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        return self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))].tensor
+
+
+def _narrow(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
+    for d, (o, n) in enumerate(zip(offsets, sizes, strict=True)):
+        if o != 0 or n != t.shape[d]:
+            t = t.narrow(d, o, n)
+    return t
+
+
+class _ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads into the given boxes whatever part of the stored tensors overlaps them."""
+
+    def __init__(self, chunks: list[Chunk], where: str):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.by_fqn: dict[str, list[Chunk]] = {}
+        for c in chunks:
+            self.by_fqn.setdefault(c.fqn, []).append(c)
+        self.where = where
+        self.bytes_read = 0
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.planner import LoadPlan
+
+        md = self.metadata.state_dict_metadata
+        items = []
+        for fqn, chunks in self.by_fqn.items():
+            stored = md.get(fqn)
+            if not isinstance(stored, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {self.where}: has no {fqn} (saved by another model or "
+                                      "optimizer configuration)")
+            if tuple(stored.size) != chunks[0].global_shape:
+                raise CheckpointError(f"checkpoint {self.where}: {fqn} has shape {tuple(stored.size)} there, "
+                                      f"{chunks[0].global_shape} in this model (the model config differs)")
+            local = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                     for c in chunks]
+            items += create_read_items_for_chunk_list(fqn, stored, local)
+        seen = set()
+        for it in items:
+            info = self.metadata.storage_data.get(it.storage_index)
+            if info is not None and (info.relative_path, info.offset) not in seen:
+                seen.add((info.relative_path, info.offset))
+                self.bytes_read += info.length
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def resolve_tensor(self, read_item):
+        chunk = self.by_fqn[read_item.dest_index.fqn][read_item.dest_index.index]
+        return _narrow(chunk.tensor, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass  # read straight into the live state's view
+
+
+# ---------------------------------------------------------------------------------------
+# Persist and load
+
+
+@dataclass
+class PersistResult:
+    step: int
+    path: str
+    ok: bool
+    error: str = ""
+    bytes_written: int = 0  # this rank's
+    seconds: float = 0.0
+
+
+def persist(storage: Storage, step: int, chunks: list[Chunk], meta: dict[str, Any] | None,
+            group: dist.ProcessGroup | None, rank: int, world: int, inject=None) -> PersistResult:
+    """Collective over `group` (every rank, same order): write this rank's boxes, commit on rank 0.
+
+    Never raises for storage failures: the result says what went wrong, the same on every rank.
+    `inject(point)` is the fault-injection hook (megascale.fault.inject).
+    """
+    t0 = time.perf_counter()
+    path = storage.step_dir(step)
+    error = ""
+    try:
+        if rank == 0:
+            storage.remove(path)  # a partial directory of this step (no commit marker: not a checkpoint)
+            storage.fs.makedirs(path, exist_ok=True)
+    except OSError as e:
+        error = f"{type(e).__name__}: {e}"
+    error = _agree(error, group, world)
+    files: dict[str, dict[str, Any]] = {}
+    written = 0
+    if not error:
+        try:
+            with _quiet_dcp():
+                dcp.save({}, storage_writer=storage.writer(path), planner=_ChunkSavePlanner(chunks),
+                         process_group=group, no_dist=world == 1)
+            mine = [f for f in storage.fs.ls(path, detail=False)
+                    if PurePosixPath(str(f)).name.startswith(f"__{rank}_")]
+            for f in mine:
+                digest, n = storage.sha256(str(f))
+                files[PurePosixPath(str(f)).name] = {"sha256": digest, "bytes": n}
+                written += n
+        except Exception as e:  # noqa: BLE001 - disk full, I/O error, a failure on another rank
+            error = _first_line(e)
+    if inject is not None:
+        inject("persist", step)  # e.g. SIGKILL between the shards and the commit marker
+    gathered = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, (error, files), group=group)
+    else:
+        gathered = [(error, files)]
+    errors = [e for e, _ in gathered if e]
+    ok = not errors
+    if ok and rank == 0:
+        try:
+            all_files = {}
+            for _, f in gathered:
+                all_files |= f
+            md_digest, md_bytes = storage.sha256(f"{path}/.metadata")
+            all_files[".metadata"] = {"sha256": md_digest, "bytes": md_bytes}
+            storage.write_commit(path, {"format": FORMAT, "step": step, "files": all_files,
+                                        "time": time.time(), **(meta or {})})
+        except Exception as e:  # noqa: BLE001
+            errors, ok = [_first_line(e)], False
+    result = [ok, errors[0] if errors else ""]
+    if world > 1:
+        dist.broadcast_object_list(result, src=_global_rank0(group), group=group)
+    return PersistResult(step, path, bool(result[0]), result[1], written, time.perf_counter() - t0)
+
+
+def load_chunks(storage: Storage, path: str, chunks: list[Chunk]) -> int:
+    """Read the boxes `chunks` describe from the checkpoint at `path` (no collectives); bytes read."""
+    planner = _ChunkLoadPlanner(chunks, storage.url(path))
+    try:
+        with _quiet_dcp():
+            dcp.load({}, storage_reader=storage.reader(path), planner=planner, no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a damaged file: name it
+        cause = e
+        while getattr(cause, "__cause__", None) is not None:
+            cause = cause.__cause__
+        raise CheckpointError(f"checkpoint {storage.url(path)}: cannot be read ({_first_line(e)})") from None
+    return planner.bytes_read
+
+
+def stored_tensors(storage: Storage, path: str) -> dict[str, TensorStorageMetadata]:
+    """The global tensors a checkpoint holds: name -> DCP metadata (shape, dtype)."""
+    f = f"{path}/.metadata"
+    try:
+        with storage.fs.open(f, "rb") as fh:
+            md = read_metadata(fh)
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {storage.url(f)}: cannot be read ({e})") from None
+    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def verify(storage: Storage, path: str, record: dict[str, Any], names: list[str]) -> str | None:
+    """Check the named files against the commit marker's sha256; the first problem, or None."""
+    for name in names:
+        want = record["files"][name]
+        f = f"{path}/{name}"
+        try:
+            digest, n = storage.sha256(f)
+        except OSError as e:
+            return f"checkpoint file {storage.url(f)}: cannot be read ({e})"
+        if n != want["bytes"]:
+            return f"checkpoint file {storage.url(f)}: {n} bytes, the commit marker says {want['bytes']}"
+        if digest != want["sha256"]:
+            return f"checkpoint file {storage.url(f)}: checksum mismatch (corrupted)"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns that no_dist means one process: that is what we ask for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _agree(error: str, group, world: int) -> str:
+    if world == 1:
+        return error
+    out = [None] * world
+    dist.all_gather_object(out, error, group=group)
+    return next((e for e in out if e), "")
+
+
+def _global_rank0(group) -> int:
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".strip()
