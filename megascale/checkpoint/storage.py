@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -351,7 +352,7 @@ def persist(storage: Storage, step: int, chunks: list[Chunk], meta: dict[str, An
                 digest, n = storage.sha256(str(f))
                 files[PurePosixPath(str(f)).name] = {"sha256": digest, "bytes": n}
                 written += n
-        except Exception as e:  # noqa: BLE001 - disk full, I/O error, a failure on another rank
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - disk full, I/O error, another rank
             error = _first_line(e)
     if inject is not None:
         inject("persist", step)  # e.g. SIGKILL between the shards and the commit marker
@@ -387,10 +388,7 @@ def load_chunks(storage: Storage, path: str, chunks: list[Chunk]) -> int:
             dcp.load({}, storage_reader=storage.reader(path), planner=planner, no_dist=True)
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - a damaged file: name it
-        cause = e
-        while getattr(cause, "__cause__", None) is not None:
-            cause = cause.__cause__
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged file: name it
         raise CheckpointError(f"checkpoint {storage.url(path)}: cannot be read ({_first_line(e)})") from None
     return planner.bytes_read
 
@@ -443,5 +441,11 @@ def _global_rank0(group) -> int:
 
 
 def _first_line(e: BaseException) -> str:
+    """'OSError: [Errno 28] No space left on device', also from inside DCP's CheckpointException."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, failure = sorted(e.failures.items())[0]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {_first_line(inner)}"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".strip()
