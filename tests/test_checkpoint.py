@@ -240,7 +240,8 @@ def test_fresh_start_archives_the_earlier_run(corpus, tmp_path):
     t.fit()
     archived = list((run_dir / "archive").iterdir())
     assert len(archived) == 1
-    assert sorted(p.name for p in (archived[0] / "checkpoints").iterdir()) == ["step_000006", "step_000008"]
+    old = sorted(p.name for p in (archived[0] / "checkpoints").iterdir())
+    assert old == ["step_000006", "step_000008"]
     assert (archived[0] / "metrics.jsonl").exists()
     assert [s for s, _ in list_checkpoints(run_dir)] == [2, 3]  # the new run's, not trimmed against 8
     steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())

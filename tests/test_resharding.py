@@ -60,10 +60,12 @@ def data(tmp_path_factory) -> list[str]:
 def overrides(data: list[str], run_dir: Path, optim: str, model: list[str], layout: str) -> list[str]:
     return [
         "model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len=16", *model,
-        f"optim.name={optim}", "optim.lr=1e-2", "optim.min_lr=1e-3", "optim.warmup_steps=2", "optim.grad_clip=0.5",
+        f"optim.name={optim}", "optim.lr=1e-2", "optim.min_lr=1e-3", "optim.warmup_steps=2",
+        "optim.grad_clip=0.5",
         "train.dtype=fp64", "train.global_batch=8", "train.micro_batch=2", f"train.steps={STEPS}",
         "train.eval_interval=0", "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0",
-        "log.peak_flops=1e9", "checkpoint.interval=0", f"checkpoint.memory_dir={json.dumps(str(run_dir / 'shm'))}",
+        "log.peak_flops=1e9", "checkpoint.interval=0",
+        f"checkpoint.memory_dir={json.dumps(str(run_dir / 'shm'))}",
         *data, f"train.run_dir={json.dumps(str(run_dir))}", *LAYOUTS[layout],
     ]
 
