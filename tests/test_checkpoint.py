@@ -254,7 +254,8 @@ def test_fresh_start_refuses_foreign_storage_with_old_checkpoints(corpus, tmp_pa
     store = tmp_path / "store"
     trainer(corpus, tmp_path / "a", f"checkpoint.path={json.dumps(str(store))}").fit(max_steps=3)
     with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
-        trainer(corpus, tmp_path / "b", f"checkpoint.path={json.dumps(str(store))}", "checkpoint.resume=false")
+        trainer(corpus, tmp_path / "b", f"checkpoint.path={json.dumps(str(store))}",
+                "checkpoint.resume=false")
 
 
 def test_a_second_job_on_the_run_directory_is_refused(corpus, tmp_path):
