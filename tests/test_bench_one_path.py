@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_one_path_benchmark_runs():
     # --ref HEAD: the smoke test needs only a commit every clone has
     r = subprocess.run([sys.executable, "benchmarks/one_path.py", "--ref", "HEAD", "--rounds", "1",
-                        "--steps", "1", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.seq_len=16"],
+                        "--steps", "1", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+                        "model.seq_len=16"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert re.search(r"round 1: old [\d,]+ tok/s, new [\d,]+ tok/s, new/old \d\.\d{3}", r.stdout), r.stdout

@@ -1,0 +1,45 @@
+"""Smoke test of benchmarks/checkpoint.py --quick: it runs to the end and prints every row with numbers.
+
+The real two-stage checkpoint path runs (snapshot, background persist, restores from memory and
+from storage, a dp=2 gloo job with broadcast_restore on and off); timings are never asserted.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM = r"[-+]?\d+(?:\.\d+)?"
+
+ROWS = ["parameters (M)", "state: weights + AdamW (MB)", "first checkpoint blocked (s)",
+        "blocked per checkpoint (s)", "save() call (s)", "before_update wait (s)", "sync torch.save + fsync (s)",
+        "sync / blocked (goal >= 50x)", "step, no checkpoint (s)", "step after save() (s)",
+        "steps during persist (n)", "persist (s)", "persist (MB/s)", "restore from memory (s)",
+        "restore from storage cold (s)", "restore from storage warm (s)", "storage / memory restore",
+        "restore bytes read (MB)", "restore bytes checksummed (MB)"]
+
+
+def test_quick_prints_every_row_with_numbers(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert re.search(r"^memory slots: .+ \(.+\); storage: .+ \(.+\)$", out, re.M), out
+    for label in ROWS:
+        assert re.search(rf"^\s*{re.escape(label)}\s+{NUM}x?\s*$", out, re.M), f"row {label!r} missing:\n{out}"
+    # the step during a persist and the slowdown are numbers, or say that the persist was shorter
+    assert re.search(rf"^slowdown in persist \(goal <10%\)\s+({NUM}%|persist < step)\s*$", out, re.M), out
+    for flag in ("true", "false"):  # the dp=2 rows: five figures in MB, then seconds
+        assert re.search(rf"^{flag}(\s+{NUM}){{6}}\s*$", out, re.M), f"dp row {flag!r} missing:\n{out}"
+    assert re.search(rf"every rank / one reader per dp group: {NUM}x", out), out
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env["TMPDIR"] = str(tmp_path)  # the benchmark's run directories (it removes them itself)
+    return env
