@@ -132,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="run directory (or one checkpoint directory in it)")
     p.add_argument("--prompt", default="\n")
     p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--temperature", type=float, default=0.8, help="> 0 samples; 0 decodes greedily")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (k >= 1)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_generate)
 

@@ -133,7 +133,7 @@ class Trainer:
         self.n_micro = self.engine.n_micro  # micro-batches per step on each dp rank
         self._num_params = sum(c.tensor.numel() for c in self.engine.model_chunks() if c.write)
         if self.world_size > 1:  # the weights' boxes of this rank only: sum over the ranks
-            box = torch.tensor([self._num_params], dtype=torch.float64)
+            box = torch.tensor([self._num_params], dtype=torch.float64, device=self.device)
             torch.distributed.all_reduce(box)
             self._num_params = int(box.item())
         self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed,

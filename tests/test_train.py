@@ -152,3 +152,16 @@ def test_corrupt_checkpoint_is_a_clear_error(corpus, tmp_path):
     r = _cli(["train", "--config", str(tmp_path / "c.toml"), "train.steps=3"])
     assert r.returncode == 2 and "__0_0.distcp: checksum mismatch" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+
+
+def test_train_without_config_trains_the_cpu_default(tmp_path):
+    """`megascale train` with no --config, from another directory: the CPU default on the bundled data."""
+    r = subprocess.run([sys.executable, "-m", "megascale", "train", "train.steps=2", "model.n_layers=1",
+                        "model.d_model=32", "model.n_heads=2", "train.eval_interval=0", "log.sample_tokens=0",
+                        "log.progress=false", f"train.run_dir={tmp_path / 'run'}",
+                        f"data.path={tmp_path / 'ds'}"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "done: 2 steps" in r.stdout
+    config = (tmp_path / "run" / "config.toml").read_text()
+    assert "seq_len = 128" in config and "lr = 0.002" in config  # configs/cpu_default.toml's values
