@@ -279,7 +279,8 @@ def dp_restore(world: int, args: dict) -> list[tuple[bool, int, int, float]]:
 
 def run_dp(size: Size, tmp: Path, shm: Path, reps: int, log) -> dict:
     run = "dp2"
-    model = [*size.model, f"train.micro_batch={max(1, int(_field(size.model, 'train.global_batch')) // 2)}"]
+    batch = load_config(BENCH_CONFIG, overrides(tmp, shm, run, size.model)).train.global_batch
+    model = [*size.model, f"train.micro_batch={max(1, batch // 2)}"]  # one micro-batch per dp rank
     log(f"dp=2 restore ({size.name} model, 2 gloo processes, {reps} repetitions)")
     per_rank = run_on_gloo(2, dp_restore, {"overrides": overrides(tmp, shm / run, run, model), "reps": reps})
     shutil.rmtree(tmp / run, ignore_errors=True)
@@ -293,10 +294,6 @@ def run_dp(size: Size, tmp: Path, shm: Path, reps: int, log) -> dict:
             "seconds": med([max(rows[r][i][3] for r in rows) for i in range(len(rows[0]))]),  # slowest rank
         }
     return out
-
-
-def _field(items: list[str], key: str) -> str:
-    return next(v.split("=", 1)[1] for v in reversed(items) if v.startswith(key + "="))
 
 
 # ----------------------------------------------------------------------------- output
@@ -361,6 +358,7 @@ def table(results: dict[str, dict]) -> list[str]:
     row("sync / blocked (goal >= 50x)", "{:.1f}x", lambda r: med(r["sync"]) / med(r["blocked"]))
     row("step, no checkpoint (s)", "{:.3f}", lambda r: med(r["base"]))
     row("step after save() (s)", "{:.3f}", lambda r: med(r["after"]))
+    row("  vs no checkpoint", "{:+.1f}%", lambda r: 100 * (med(r["after"]) / med(r["base"]) - 1))
     row("steps during persist (n)", "{:d}", lambda r: len(r["during"]))
     row("step during persist (s)", "{:.3f}", lambda r: med(r["during"]) if r["during"] else "-")
     row("slowdown in persist (goal <10%)", "{:+.1f}%", slowdown)
@@ -406,7 +404,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3, help="checkpoints (and restores) per model")
     ap.add_argument("--dp-reps", type=int, default=2)
     ap.add_argument("--no-dp", action="store_true", help="skip the dp=2 restore comparison")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for training (0: the default; 1 on 2 cores leaves one to stage 2)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.quick:
         sizes, dp_size, dp_reps, max_during = [tiny_size(2)], tiny_size(1), 1, 30

@@ -6,6 +6,7 @@ from storage, a dp=2 gloo job with broadcast_restore on and off); timings are ne
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NUM = r"[-+]?\d+(?:\.\d+)?"
 
 ROWS = ["parameters (M)", "state: weights + AdamW (MB)", "first checkpoint blocked (s)",
-        "blocked per checkpoint (s)", "save() call (s)", "before_update wait (s)", "sync torch.save + fsync (s)",
+        "blocked per checkpoint (s)", "save() call (s)", "before_update wait (s)",
+        "sync torch.save + fsync (s)",
         "sync / blocked (goal >= 50x)", "step, no checkpoint (s)", "step after save() (s)",
         "steps during persist (n)", "persist (s)", "persist (MB/s)", "restore from memory (s)",
         "restore from storage cold (s)", "restore from storage warm (s)", "storage / memory restore",
@@ -29,7 +31,7 @@ def test_quick_prints_every_row_with_numbers(tmp_path):
     out = proc.stdout
     assert re.search(r"^memory slots: .+ \(.+\); storage: .+ \(.+\)$", out, re.M), out
     for label in ROWS:
-        assert re.search(rf"^\s*{re.escape(label)}\s+{NUM}x?\s*$", out, re.M), f"row {label!r} missing:\n{out}"
+        assert re.search(rf"^\s*{re.escape(label)}\s+{NUM}x?\s*$", out, re.M), f"no row {label!r}:\n{out}"
     # the step during a persist and the slowdown are numbers, or say that the persist was shorter
     assert re.search(rf"^slowdown in persist \(goal <10%\)\s+({NUM}%|persist < step)\s*$", out, re.M), out
     for flag in ("true", "false"):  # the dp=2 rows: five figures in MB, then seconds
@@ -38,8 +40,6 @@ def test_quick_prints_every_row_with_numbers(tmp_path):
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    import os
-
     env = dict(os.environ)
     env["TMPDIR"] = str(tmp_path)  # the benchmark's run directories (it removes them itself)
     return env

@@ -57,7 +57,7 @@ def tiny(corpus: Path, run_dir: Path, *extra: str):
         "log.progress=false", "log.tensorboard=false", "log.jsonl=false", "log.sample_tokens=0",
         "log.peak_flops=1e12", "checkpoint.interval=0",
         f"data.source={json.dumps(str(corpus))}",
-        f"data.path={json.dumps(str(corpus.parent / 'cache' / 'ds'))}",
+        f"data.path={json.dumps(str(corpus / 'ds'))}",  # a path of this module's own
         f"train.run_dir={json.dumps(str(run_dir))}", *extra,
     ])
 

@@ -73,7 +73,7 @@ def data(tmp_path_factory) -> list[str]:
     d = tmp_path_factory.mktemp("corpus")
     for name in CORPUS:
         shutil.copy(ROOT / "data" / "shakespeare" / name, d / name)
-    return [f"data.source={json.dumps(str(d))}", f"data.path={json.dumps(str(d.parent / 'cache' / 'ds'))}"]
+    return [f"data.source={json.dumps(str(d))}", f"data.path={json.dumps(str(d / 'ds'))}"]  # its own
 
 
 def overrides(data: list[str], run_dir: Path, model: str, optim: str, dtype: str, *extra: str) -> list[str]:

@@ -134,8 +134,10 @@ class CheckpointManager:
             persist_it = False
         if step != self._snapshot_step:
             chunks = state.model_chunks() + state.optimizer_chunks()
-            self.snapshots.take(step, chunks, extra)
+            self.snapshots.take(step, chunks, extra, pin=persist_it)
             self._snapshot_step = step
+        elif persist_it:
+            self.snapshots.pin(step)
         if persist_it:
             self._pending = [f for f in self._pending if not f.done()]
             if self._pool is None:

@@ -50,7 +50,7 @@ def read_model_state(path: str | Path) -> tuple[Config, dict[str, Tensor]]:
     tensors = stored_tensors(storage, ckpt)
     chunks, state = [], {}
     for fqn, md in tensors.items():
-        if fqn.startswith("model/"):
+        if fqn.startswith("model/") and not (cfg.model.tie_embeddings and fqn == f"model/{TIED_HEAD}"):
             t = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             state[fqn.removeprefix("model/")] = t
             chunks.append(Chunk(fqn, tuple(md.size), (0,) * len(md.size), t, False))

@@ -19,8 +19,14 @@ intersection). So a checkpoint of any layout loads into any other, optimizer sta
 `Chunk.tensor` is a view into the live state (parameter data, optimizer state), never a
 copy: snapshots copy from it, restores copy into it. `Chunk.write` marks the one rank that
 saves each element: data-parallel replica 0 for the weights (every replica holds them),
-tensor-parallel rank 0 for tensors every tp rank holds whole, no one for the pipeline's
-second copy of a tied embedding (its global name is the embedding's).
+tensor-parallel rank 0 for tensors every tp rank holds whole.
+
+The pipeline's second copy of a tied embedding (the last stage's head) is saved under its own
+name, `head.weight`: the two copies are kept equal by summing their gradients, but LAMB's
+norms of each are summed over differently cut shards, so they may differ in the last bit, and
+an exact resume must give each copy its own value back. A layout without a separate copy (one
+process, pp = 1) ignores it; a pipeline resuming from such a checkpoint reads the embedding
+(`Chunk.fallback`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Chunk:
     offsets: tuple[int, ...]  # of this box in the global tensor
     tensor: Tensor  # the box's data: a contiguous view into the live state, shape = sizes
     write: bool  # this rank saves it (exactly one rank saves each element)
+    fallback: str | None = None  # read this name instead when the checkpoint has no `fqn`
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -59,6 +66,7 @@ class _Placement:
     """Where a local parameter sits in its global tensor."""
 
     name: str  # global (one-process) parameter name
+    fallback: str | None  # the tied embedding's name, for the head copy
     global_shape: tuple[int, ...]
     dim: int | None  # tp split dimension (None: whole on every tp rank)
     offset: int  # of this rank's piece along dim
@@ -78,8 +86,8 @@ def _placement(name: str, p: Tensor, mesh: Mesh, tied: bool) -> _Placement:
         if valid != shape[dim] and dim != 0:
             raise ValueError(f"{name}: padding is only supported along dimension 0 (the vocab)")
         shape[dim] = full
-    write = mesh.dp_rank == 0 and (dim is not None or mesh.tp_rank == 0) and not alias
-    return _Placement(EMBEDDING if alias else name, tuple(shape), dim, offset, valid, write)
+    write = mesh.dp_rank == 0 and (dim is not None or mesh.tp_rank == 0)
+    return _Placement(name, EMBEDDING if alias else None, tuple(shape), dim, offset, valid, write)
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
@@ -119,8 +127,9 @@ def _boxes(pl: _Placement, local_shape: tuple[int, ...], flat: Tensor, start: in
            write: bool) -> list[Chunk]:
     """Chunks of `flat`, elements [start, start + flat.numel()) of a local tensor of local_shape."""
     out = []
+    fallback = fqn.removesuffix(pl.name) + pl.fallback if pl.fallback else None
     if not local_shape:  # a 0-dim tensor
-        return [Chunk(fqn, (), (), flat.view(()), write)]
+        return [Chunk(fqn, (), (), flat.view(()), write, fallback)]
     for offs, sizes in _local_boxes(local_shape, start, start + flat.numel()):
         begin = sum(o * math.prod(local_shape[i + 1:]) for i, o in enumerate(offs)) - start
         data = flat[begin:begin + math.prod(sizes)].view(sizes)
@@ -132,7 +141,7 @@ def _boxes(pl: _Placement, local_shape: tuple[int, ...], flat: Tensor, start: in
                     continue
                 data, sizes[0] = data.narrow(0, 0, keep), keep
             offs[pl.dim] += pl.offset
-        out.append(Chunk(fqn, pl.global_shape, tuple(offs), data, write))
+        out.append(Chunk(fqn, pl.global_shape, tuple(offs), data, write, fallback))
     return out
 
 
@@ -158,12 +167,11 @@ def optimizer_chunks(optimizer, model: nn.Module, mesh: Mesh, tied: bool) -> lis
         inner = optimizer.optimizer
         for p, piece, view in zip(optimizer.params, optimizer.pieces, optimizer.views, strict=True):
             pl = _placement(names[id(p)], p, mesh, tied)
-            # every dp rank saves its own pieces; the tp and tied-copy rules as for the weights
-            write = (pl.dim is not None or mesh.tp_rank == 0) and not (tied and names[id(p)] == TIED_HEAD)
+            write = pl.dim is not None or mesh.tp_rank == 0  # every dp rank saves its own pieces
             for key, t in inner.state.get(view, {}).items():
                 fqn = f"optim/{key}/{pl.name}"
                 if t.ndim == 0:
-                    out.append(Chunk(fqn, (), (), t, write and mesh.dp_rank == 0))
+                    out += _boxes(pl, (), t, 0, fqn, write and mesh.dp_rank == 0)
                 else:
                     out += _boxes(pl, tuple(p.shape), t.view(-1), piece.start, fqn, write)
         return out
@@ -173,7 +181,7 @@ def optimizer_chunks(optimizer, model: nn.Module, mesh: Mesh, tied: bool) -> lis
             for key, t in optimizer.state.get(p, {}).items():
                 fqn = f"optim/{key}/{pl.name}"
                 if t.ndim == 0:
-                    out.append(Chunk(fqn, (), (), t, pl.write))
+                    out += _boxes(pl, (), t, 0, fqn, pl.write)
                 else:
                     out += _boxes(pl, tuple(p.shape), t.view(-1), 0, fqn, pl.write)
     return out

@@ -47,8 +47,10 @@ class _Slot:
     buffer: torch.Tensor | None = None  # uint8, the whole slot
     table: list | None = None  # [(fqn, offsets, sizes, dtype, byte offset, write)]
     step: int = -1  # of the complete snapshot it holds; -1: none
+    target: int = -1  # the step being (or last) copied into it
     extra: dict | None = None
-    busy: int = 0  # persists reading it
+    busy: int = 0  # persists queued on it or reading it: never overwritten meanwhile
+    copy: Future | None = None  # the copy into it
 
 
 class HostSnapshot:
@@ -97,8 +99,9 @@ class HostSnapshot:
 
     # ---- taking a snapshot
 
-    def take(self, step: int, chunks: list[Chunk], extra: dict[str, Any]) -> None:
-        """Start copying `chunks` into a free slot (in the background if enabled)."""
+    def take(self, step: int, chunks: list[Chunk], extra: dict[str, Any], pin: bool = False) -> None:
+        """Start copying `chunks` into a free slot (in the background if enabled); `pin`: keep the slot
+        for stage 2 (as `pin` does) from now on, before the copy is even done."""
         self.wait()
         table, off = [], 0
         for c in chunks:
@@ -114,7 +117,8 @@ class HostSnapshot:
                 self._lock.wait()
             if self.shared:
                 self._file(slot.index, "json").unlink(missing_ok=True)
-            slot.step = -1
+            slot.step, slot.target = -1, step
+            slot.busy += int(pin)
         self._allocate(slot, table, off)
         views = self._views(slot)
 
@@ -133,7 +137,8 @@ class HostSnapshot:
                 self.latest = slot
                 self._lock.notify_all()
 
-        self._copy = self._pool.submit(copy) if self._pool is not None else _done(copy)
+        slot.copy = self._pool.submit(copy) if self._pool is not None else _done(copy)
+        self._copy = slot.copy
 
     def wait(self) -> None:
         """Until the copy in flight is complete (before the weights change)."""
@@ -143,12 +148,18 @@ class HostSnapshot:
 
     # ---- handing a slot to stage 2
 
-    def acquire(self, step: int) -> tuple[list[Chunk], dict[str, Any]]:
-        """The boxes of the snapshot of `step`, pinned until `release` (stage 2 reads them)."""
-        self.wait()
+    def pin(self, step: int) -> None:
+        """Keep the slot of `step` (taken or being taken) from being overwritten until `release`."""
         with self._lock:
-            slot = next(s for s in self.slots if s.step == step)
+            slot = next(s for s in self.slots if s.target == step or s.step == step)
             slot.busy += 1
+
+    def acquire(self, step: int) -> tuple[list[Chunk], dict[str, Any]]:
+        """The boxes of the pinned snapshot of `step`, once its copy is complete (stage 2 reads them)."""
+        with self._lock:
+            slot = next(s for s in self.slots if s.target == step and s.busy)
+        if slot.copy is not None:
+            slot.copy.result()  # this slot's copy only (the main thread owns the latest one's future)
         return self._views(slot), dict(slot.extra or {})
 
     def release(self, step: int) -> None:
@@ -197,7 +208,7 @@ class HostSnapshot:
             size = self._file(i, "bin").stat().st_size
             slot.buffer = torch.from_file(str(self._file(i, "bin")), shared=True, size=max(size, nbytes),
                                           dtype=torch.uint8)
-            slot.table, slot.step, slot.extra = [list(t) for t in table], step, h["extra"]
+            slot.table, slot.step, slot.target, slot.extra = [list(t) for t in table], step, step, h["extra"]
             with torch.no_grad():
                 for v, c in zip(self._views(slot), chunks, strict=True):
                     c.tensor.copy_(v.tensor)

@@ -280,8 +280,14 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
 
         md = self.metadata.state_dict_metadata
         items = []
-        for fqn, chunks in self.by_fqn.items():
+        for fqn, chunks in list(self.by_fqn.items()):
             stored = md.get(fqn)
+            if stored is None and chunks[0].fallback in md:  # a pipeline's head copy from a pp = 1 save
+                self.by_fqn.pop(fqn)
+                fqn = chunks[0].fallback
+                self.by_fqn.setdefault(fqn, []).extend(chunks)
+                chunks = self.by_fqn[fqn]
+                stored = md[fqn]
             if not isinstance(stored, TensorStorageMetadata):
                 raise CheckpointError(f"checkpoint {self.where}: has no {fqn} (saved by another model or "
                                       "optimizer configuration)")
@@ -389,6 +395,9 @@ def load_chunks(storage: Storage, path: str, chunks: list[Chunk]) -> int:
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - a damaged file: name it
+        inner = _inner(e)
+        if isinstance(inner, CheckpointError):  # ours, raised inside DCP's planning
+            raise inner from None
         raise CheckpointError(f"checkpoint {storage.url(path)}: cannot be read ({_first_line(e)})") from None
     return planner.bytes_read
 
@@ -438,6 +447,16 @@ def _agree(error: str, group, world: int) -> str:
 
 def _global_rank0(group) -> int:
     return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def _inner(e: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException (else e itself)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        failure = sorted(e.failures.items())[0][1]
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return e
 
 
 def _first_line(e: BaseException) -> str:
