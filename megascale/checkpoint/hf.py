@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from megascale.config import ModelConfig
+from megascale.data.atomic import fsync
 from megascale.errors import UserError
 
 CONFIG_FILE = "config.json"
@@ -245,7 +246,7 @@ def save_hf(m: ModelConfig, state: dict[str, Tensor], output: str | Path, force:
         if generation is not None:
             (tmp / GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")
         for f in tmp.iterdir():
-            _fsync(f)
+            fsync(f)
         if out.exists() or out.is_symlink():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)
@@ -279,14 +280,6 @@ def _tokenizer_info(spec: str) -> tuple[int | None, int | None]:
     except UserError:  # e.g. a tokenizer.json that moved since training: the weights export all the same
         return None, None
     return tok.vocab_size, tok.eos_id
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megascale.checkpoint.shards import Chunk
+from megascale.data.atomic import fsync
 from megascale.errors import UserError
 
 PREFIX = "step_"
@@ -133,7 +134,7 @@ class Storage:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, os.path.join(path, COMMIT))
-        fsync_dir(path)
+        fsync(path)
 
     def remove(self, path: str) -> None:
         try:
@@ -160,14 +161,6 @@ class Storage:
         if self.is_url:
             return _SafeFsspecReader(self.url(path))
         return _SafeFileSystemReader(path)
-
-
-def fsync_dir(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------

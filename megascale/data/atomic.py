@@ -34,7 +34,7 @@ def atomic_outputs(*finals: str | Path) -> Iterator[list[Path]]:
     try:
         yield temps
         for tmp, final in zip(temps, paths, strict=True):
-            _fsync(tmp)  # data on disk before the rename makes it visible
+            fsync(tmp)  # data on disk before the rename makes it visible
             os.replace(tmp, final)
     finally:
         for tmp in temps:  # only left over when something failed
@@ -47,7 +47,8 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: str | Path) -> None:
+    """Flush a file's (or a directory's: its entries') data to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
