@@ -98,12 +98,8 @@ def overrides(tmp: Path, memory_dir: Path, run: str, extra: list[str]) -> list[s
 
 
 def close(trainer) -> None:
-    """What the end of `fit` does for a Trainer that never ran it: stop the loader's thread, wait for
-    stage 2, release the run directory's lock (else the next Trainer there is refused)."""
-    trainer.loader.close()
-    trainer.checkpoints.close()
-    if trainer._lock is not None:
-        trainer._lock.release()
+    """A Trainer that never ran `fit`: its loader thread, stage 2 and the run directory's lock."""
+    trainer.close()
 
 
 def drop_page_cache(directory: str) -> None:

@@ -153,7 +153,6 @@ class Trainer:
         self.peak = self._peak_flops()  # per device; MFU divides by world_size of them
         self._stop_signal: int | None = None
         self._stop_agreed: int | None = None  # the signal every rank stops for
-        self._ckpt_blocked: list[float] = []  # seconds each checkpoint blocked training
 
     def _peak_flops(self) -> float:
         cfg, t = self.cfg, self.cfg.train
@@ -200,11 +199,17 @@ class Trainer:
         """Checkpoint the current step (collective: every rank calls it): stage 1 into host memory now,
         stage 2 to storage in the background; `final` waits for storage. Returns the storage path."""
         extra = {"rng": rng_state(), "loader": self.loader.state_dict()}
-        blocked = self.checkpoints.save(self.step, self.engine, extra, persist)
-        self._ckpt_blocked.append(blocked)
+        self.checkpoints.save(self.step, self.engine, extra, persist)
         if final:
             self.checkpoints.finish(self.step)
         return self.checkpoints.storage.url(self.checkpoints.storage.step_dir(self.step))
+
+    def close(self) -> None:
+        """Release the run directory and the checkpoint threads (fit() releases the lock too)."""
+        self.checkpoints.close()
+        self.loader.close()
+        if self._lock is not None:
+            self._lock.release()
 
     def full_model(self) -> GPT | None:
         """The trained model as one GPT (for sampling): the model itself on one process; in a parallel
@@ -285,9 +290,13 @@ class Trainer:
         bar = self._progress_bar(start_step)
         times, losses, last_val = [], [], float("nan")
         t_start = time.perf_counter()
+        saved_at = None  # the step of a checkpoint whose blocked time the next step completes
         try:
             while self.step < end:
                 s = self.train_step()
+                if saved_at is not None:  # save() + the wait for its copy before this step's update
+                    logger.log("checkpoint", {"step": saved_at, "blocked_s": self.checkpoints.last_blocked_s})
+                    saved_at = None
                 times.append(s.step_time)
                 losses.append(s.loss)
                 rec = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
@@ -305,9 +314,7 @@ class Trainer:
                 if s.step < end and (c.interval and s.step % c.interval == 0
                                      or c.memory_interval and s.step % c.memory_interval == 0):
                     self.save(persist=bool(c.interval and s.step % c.interval == 0))
-                    if self._ckpt_blocked:
-                        rec = {"step": s.step, "blocked_s": self._ckpt_blocked[-1]}
-                        logger.log("checkpoint", rec)
+                    saved_at = s.step
                 for ev in self.checkpoints.events():
                     logger.log("persist", ev)
                 if self._stopping() is not None:

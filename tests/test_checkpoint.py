@@ -295,3 +295,39 @@ def test_rng_state_from_a_gpu_machine_restores_on_cpu():
     state["cuda"] = [0] * 16  # a GPU's state: nothing to restore it into here, and no crash
     set_rng_state(state)
     assert torch.get_rng_state().tolist() == state["torch"]
+
+
+def test_a_damaged_memory_snapshot_falls_back_to_storage(corpus, tmp_path, reference):
+    run_dir = tmp_path / "run"
+    r = cli(corpus, run_dir, "checkpoint.memory_interval=1", env={"MEGASCALE_INJECT": "kill@persist:6"})
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    for f in (run_dir.parent / "shm").rglob("*.bin"):  # the host's memory damaged: the slots cut short
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size // 2)
+    r = cli(corpus, run_dir, "checkpoint.memory_interval=1")
+    assert r.returncode == 0, r.stderr
+    assert "host-memory snapshot of step" in r.stderr and "cannot be used" in r.stderr, r.stderr
+    assert "resumed from storage at step 3" in r.stdout
+    assert same(final_weights(run_dir), reference)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_memory_dir_is_one_line_and_training_goes_on(corpus, tmp_path, reference):
+    """A /dev/shm too small for the snapshot (Docker's default is 64 MB): one line, snapshots in process
+    memory, checkpoints persisted as usual (no SIGBUS in the middle of a copy)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(shm)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        run_dir = tmp_path / "run"
+        r = cli(corpus, run_dir)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if "no room for a" in ln]
+        assert len(lines) == 1 and "checkpoint.memory_dir" in lines[0], r.stderr
+        assert "No space left" in lines[0]
+        assert same(final_weights(run_dir), reference)
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], check=False)

@@ -109,7 +109,7 @@ class CheckpointManager:
         self.memory_dir = Path(c.memory_dir or default_memory_dir()) / run_key
         identity = {"run": str(run_dir.resolve()), "layout": layout, "world": world, "rank": rank}
         self.snapshots = HostSnapshot(self.memory_dir if c.memory else None, rank, identity,
-                                      shared=c.memory, background=c.async_snapshot)
+                                      shared=c.memory, background=c.async_snapshot, log=log)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="persist") if c.async_persist else None
         self._pending: list[Future] = []
         self._events: list[dict[str, Any]] = []
@@ -121,7 +121,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ saving
 
     def before_update(self) -> None:
-        """Stage 1's copy must be complete before the optimizer changes the weights."""
+        """Stage 1's copy must be complete before the optimizer changes the weights. The wait adds to
+        `last_blocked_s`: what the last checkpoint cost training, save() call included."""
         t0 = time.perf_counter()
         self.snapshots.wait()
         self.last_blocked_s += time.perf_counter() - t0
@@ -149,6 +150,7 @@ class CheckpointManager:
         return blocked
 
     def _persist(self, step: int) -> PersistResult:
+        _lower_priority()
         views, extra = self.snapshots.acquire(step)
         try:
             blob = torch.frombuffer(bytearray(json.dumps(extra.get("rng", {})).encode()), dtype=torch.uint8)
@@ -268,7 +270,7 @@ class CheckpointManager:
             keys = self._memory_keys(step)
             ensure_optimizer_state(state.optimizer, keys)
             extra = self.snapshots.restore(step, state.model_chunks() + state.optimizer_chunks())
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, RuntimeError) as e:  # a damaged or foreign snapshot
             error = f"{type(e).__name__}: {e}"
         if self._agree(error):
             self.log(f"checkpoint: the host-memory snapshot of step {step} cannot be used "
@@ -346,6 +348,19 @@ class CheckpointManager:
         out: list[str | None] = [None] * self.world
         dist.all_gather_object(out, error, group=self.group)
         return next((e for e in out if e), "")
+
+
+def _lower_priority() -> None:
+    """Stage 2 runs niced: on a busy host its copies and checksums yield to training's threads (Linux
+    applies nice per thread, and the threads a thread starts inherit it)."""
+    if threading.current_thread() is threading.main_thread() or \
+            getattr(threading.current_thread(), "_megascale_niced", False):  # synchronous mode: never nice
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        pass
+    threading.current_thread()._megascale_niced = True
 
 
 def _optimizer_keys(entries) -> dict[str, tuple[bool, torch.dtype]]:

@@ -1,8 +1,13 @@
 """Stage 1: a copy of a rank's state in host memory that outlives the process.
 
 Each rank owns two *slots*, each one file under `checkpoint.memory_dir` (tmpfs: /dev/shm)
-mapped into the process (`torch.from_file(shared=True)`), sized once for the rank's boxes
-(shards.py) and reused, so a snapshot allocates nothing: it is one `copy_` per box. A
+mapped into the process (a shared `numpy.memmap`), sized once for the rank's boxes (shards.py),
+its pages reserved up front (`posix_fallocate`: a full tmpfs is an error at allocation, not a
+SIGBUS in the middle of a copy) and reused, so a snapshot allocates nothing: it is one `copy_`
+per box. Each box's tensor has a storage of its own exact size (`torch.from_numpy` of its
+slice), which lets stage 2 hand it to DCP without the copy DCP makes of views into a larger
+storage. A directory without room for the slots is one logged line, and the snapshots stay in
+process memory (they then do not survive the process). A
 slot's JSON header is written (atomically) only after its copy is complete and deleted
 before the slot is overwritten, so a header always describes a whole snapshot; with two
 slots the previous complete snapshot survives while the next is being taken, and while
@@ -23,11 +28,13 @@ import json
 import math
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from megascale.checkpoint.shards import Chunk
@@ -44,7 +51,7 @@ def _nbytes(c: Chunk) -> int:
 @dataclass
 class _Slot:
     index: int
-    buffer: torch.Tensor | None = None  # uint8, the whole slot
+    buffer: np.ndarray | None = None  # uint8, the whole slot (a shared memmap, or private memory)
     table: list | None = None  # [(fqn, offsets, sizes, dtype, byte offset, write)]
     step: int = -1  # of the complete snapshot it holds; -1: none
     target: int = -1  # the step being (or last) copied into it
@@ -55,7 +62,7 @@ class _Slot:
 
 class HostSnapshot:
     def __init__(self, directory: str | Path | None, rank: int, identity: dict[str, Any], shared: bool = True,
-                 background: bool = True):
+                 background: bool = True, log: Callable[[str], None] = print):
         """directory: where the slot files live (shared); identity: what a restored snapshot must match
         (layout, world size, rank), compared field by field."""
         self.dir = Path(directory) if directory is not None else None
@@ -65,6 +72,7 @@ class HostSnapshot:
         self._copy: Future | None = None
         self._lock = threading.Condition()
         self.latest: _Slot | None = None
+        self.log = log
 
     # ---- files
 
@@ -74,17 +82,28 @@ class HostSnapshot:
 
     def _allocate(self, slot: _Slot, table: list, nbytes: int) -> None:
         if slot.buffer is not None and slot.table is not None and [t[:4] for t in slot.table] == \
-                [t[:4] for t in table] and slot.buffer.numel() >= nbytes:
+                [t[:4] for t in table] and slot.buffer.size >= nbytes:
             slot.table = table
             return
+        slot.buffer = None
         if self.shared:
-            self.dir.mkdir(parents=True, exist_ok=True)
             f = self._file(slot.index, "bin")
-            with open(f, "wb") as fh:
-                fh.truncate(max(nbytes, 1))
-            slot.buffer = torch.from_file(str(f), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-        else:
-            slot.buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, max(nbytes, 1))  # the pages now: ENOSPC here, not SIGBUS later
+                finally:
+                    os.close(fd)
+                slot.buffer = np.memmap(f, dtype=np.uint8, mode="r+", shape=(max(nbytes, 1),))
+            except OSError as e:
+                f.unlink(missing_ok=True)
+                self.log(f"checkpoint.memory_dir {self.dir}: no room for a {nbytes / 1e6:.0f} MB snapshot "
+                         f"({e.strerror or e}); snapshots stay in process memory and will not survive a "
+                         "restart")
+                self.shared = False
+        if slot.buffer is None:
+            slot.buffer = np.empty(max(nbytes, 1), dtype=np.uint8)
         slot.table = table
 
     @staticmethod
@@ -93,8 +112,8 @@ class HostSnapshot:
         for fqn, offsets, sizes, dtype, off, write, shape in slot.table:
             d = _DTYPES[dtype]
             n = math.prod(sizes) * torch.empty((), dtype=d).element_size()
-            out.append(Chunk(fqn, tuple(shape), tuple(offsets), slot.buffer[off:off + n].view(d).view(sizes),
-                             write))
+            box = torch.from_numpy(slot.buffer[off:off + n]).view(d).view(sizes)  # a storage of its own
+            out.append(Chunk(fqn, tuple(shape), tuple(offsets), box, write))
         return out
 
     # ---- taking a snapshot
@@ -204,10 +223,11 @@ class HostSnapshot:
             if [t[:4] for t in table] != mine:
                 raise ValueError("the snapshot holds other tensors than this rank's state")
             slot = self.slots[i]
-            nbytes = table[-1][4] + 1 if table else 1
+            nbytes = max((t[4] + math.prod(t[2]) * _DTYPES[t[3]].itemsize for t in table), default=1)
             size = self._file(i, "bin").stat().st_size
-            slot.buffer = torch.from_file(str(self._file(i, "bin")), shared=True, size=max(size, nbytes),
-                                          dtype=torch.uint8)
+            if size < nbytes:
+                raise ValueError(f"{self._file(i, 'bin')}: {size} bytes, the snapshot needs {nbytes}")
+            slot.buffer = np.memmap(self._file(i, "bin"), dtype=np.uint8, mode="r+", shape=(size,))
             slot.table, slot.step, slot.target, slot.extra = [list(t) for t in table], step, step, h["extra"]
             with torch.no_grad():
                 for v, c in zip(self._views(slot), chunks, strict=True):
