@@ -133,6 +133,7 @@ class CheckpointConfig:
     memory_dir: str = ""  # where snapshots live; "": /dev/shm/megascale (tmpfs), else the temp dir
     memory: bool = True  # stage 1 in host memory; false: persist straight from the live state
     async_persist: bool = True  # stage 2 in a background thread; false: training waits for storage
+    writer_process: bool = True  # stage 2 writes from a process of its own; false: from the training process
     async_snapshot: bool = True  # stage 1's copy overlaps the next step's forwards and backwards
     broadcast_restore: bool = True  # one reader per data-parallel group broadcasts the weights
     keep: int = 2  # how many complete checkpoints to keep in storage (the newest is never deleted)

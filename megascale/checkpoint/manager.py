@@ -51,7 +51,9 @@ from megascale.checkpoint.storage import (
     persist,
     stored_tensors,
     verify,
+    write_rank_files,
 )
+from megascale.checkpoint.writer import WriterProcess
 from megascale.config import Config
 from megascale.errors import UserError
 from megascale.fault.inject import inject
@@ -111,6 +113,9 @@ class CheckpointManager:
         self.snapshots = HostSnapshot(self.memory_dir if c.memory else None, rank, identity,
                                       shared=c.memory, background=c.async_snapshot, log=log)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="persist") if c.async_persist else None
+        # the writing itself in a process of its own (writer.py), reading the slot file; a thread when
+        # there is no slot file to read or the storage lives in this process (memory://)
+        self.writer = WriterProcess(rank) if c.writer_process else None
         self._pending: list[Future] = []
         self._events: list[dict[str, Any]] = []
         self._events_lock = threading.Lock()
@@ -153,14 +158,23 @@ class CheckpointManager:
         _lower_priority()
         views, extra = self.snapshots.acquire(step)
         try:
-            blob = torch.frombuffer(bytearray(json.dumps(extra.get("rng", {})).encode()), dtype=torch.uint8)
-            own = Chunk(_rank_extra_fqn(self.rank), tuple(blob.shape), (0,), blob, True)
+            blob = json.dumps(extra.get("rng", {})).encode()
+            if self.writer is not None and self.snapshots.shared and self.storage.protocol != "memory":
+                slot_file, table = self.snapshots.slot_file(step)
+
+                def write(path: str):
+                    return self.writer.write(self.storage.display, path, slot_file, table, blob)
+            else:
+                extra_box = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                own = Chunk(_rank_extra_fqn(self.rank), tuple(extra_box.shape), (0,), extra_box, True)
+
+                def write(path: str):
+                    return write_rank_files(self.storage, path, self.rank, [*views, own])
             meta = None
             if self.rank == 0:
                 meta = {"world": self.world, "layout": self.layout, "loader": extra.get("loader"),
                         "config": self.cfg.to_dict()}
-            result = persist(self.storage, step, [*views, own], meta, self.group, self.rank, self.world,
-                             inject)
+            result = persist(self.storage, step, write, meta, self.group, self.rank, self.world, inject)
         finally:
             self.snapshots.release(step)
         if result.ok:
@@ -210,6 +224,8 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
         self.snapshots.close()
+        if self.writer is not None:
+            self.writer.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 

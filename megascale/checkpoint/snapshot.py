@@ -40,7 +40,7 @@ import torch
 from megascale.checkpoint.shards import Chunk
 
 _ALIGN = 64
-_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
+DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64,
                                 torch.int32, torch.uint8, torch.bool)}
 
 
@@ -110,7 +110,7 @@ class HostSnapshot:
     def _views(slot: _Slot) -> list[Chunk]:
         out = []
         for fqn, offsets, sizes, dtype, off, write, shape in slot.table:
-            d = _DTYPES[dtype]
+            d = DTYPES[dtype]
             n = math.prod(sizes) * torch.empty((), dtype=d).element_size()
             box = torch.from_numpy(slot.buffer[off:off + n]).view(d).view(sizes)  # a storage of its own
             out.append(Chunk(fqn, tuple(shape), tuple(offsets), box, write))
@@ -144,7 +144,7 @@ class HostSnapshot:
         def copy() -> None:
             with torch.no_grad():
                 for v, c in zip(views, chunks, strict=True):
-                    v.tensor.copy_(c.tensor)
+                    _copy_box(v.tensor, c.tensor)
             slot.extra = extra
             if self.shared:
                 header = {"step": step, "identity": self.identity, "table": slot.table, "extra": extra}
@@ -166,6 +166,12 @@ class HostSnapshot:
             self._copy = None
 
     # ---- handing a slot to stage 2
+
+    def slot_file(self, step: int) -> tuple[str, list]:
+        """(the slot file, its table) of the pinned snapshot of `step`: the writer process reads it."""
+        with self._lock:
+            slot = next(s for s in self.slots if s.target == step and s.busy)
+        return str(self._file(slot.index, "bin")), [list(t) for t in slot.table]
 
     def pin(self, step: int) -> None:
         """Keep the slot of `step` (taken or being taken) from being overwritten until `release`."""
@@ -223,7 +229,7 @@ class HostSnapshot:
             if [t[:4] for t in table] != mine:
                 raise ValueError("the snapshot holds other tensors than this rank's state")
             slot = self.slots[i]
-            nbytes = max((t[4] + math.prod(t[2]) * _DTYPES[t[3]].itemsize for t in table), default=1)
+            nbytes = max((t[4] + math.prod(t[2]) * DTYPES[t[3]].itemsize for t in table), default=1)
             size = self._file(i, "bin").stat().st_size
             if size < nbytes:
                 raise ValueError(f"{self._file(i, 'bin')}: {size} bytes, the snapshot needs {nbytes}")
@@ -251,6 +257,15 @@ class HostSnapshot:
         self.wait()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def _copy_box(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst <- src. A CPU box is copied by NumPy: a torch op in this thread would start a second OpenMP
+    team that fights training's for the cores (the data loader's prefetch thread learned the same)."""
+    if src.device.type == "cpu" and src.dtype != torch.bfloat16:
+        np.copyto(dst.numpy(), src.detach().numpy())
+    else:
+        dst.copy_(src)
 
 
 def _done(fn) -> Future:

@@ -22,6 +22,7 @@ and sizes; tensor data is read by DCP with `torch.load(weights_only=True)`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -62,6 +63,10 @@ FORMAT = 1
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used: the message names the file and the problem."""
+
+
+class StorageFailure(Exception):
+    """A persist that failed elsewhere (the writer process): the message is the one line to log."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,12 +326,51 @@ class PersistResult:
     seconds: float = 0.0
 
 
-def persist(storage: Storage, step: int, chunks: list[Chunk], meta: dict[str, Any] | None,
-            group: dist.ProcessGroup | None, rank: int, world: int, inject=None) -> PersistResult:
-    """Collective over `group` (every rank, same order): write this rank's boxes, commit on rank 0.
+def write_rank_files(storage: Storage, path: str, rank: int, chunks: list[Chunk]
+                     ) -> tuple[dict[str, dict[str, Any]], Metadata]:
+    """This rank's part of a checkpoint, no collective: its boxes through DCP into `__RANK_0.distcp`.
 
-    Never raises for storage failures: the result says what went wrong, the same on every rank.
-    `inject(point)` is the fault-injection hook (megascale.fault.inject).
+    DCP writes a one-process checkpoint into a scratch folder; its data file moves into `path` under
+    the rank's name and its metadata (the rank's boxes and where they lie) is returned for rank 0 to
+    merge (`commit`). Runs in the writer process (writer.py) or in a thread. Returns the file's
+    {name: {sha256, bytes}} and the metadata part.
+    """
+    scratch = f"{path}/.rank{rank:05d}"
+    storage.remove(scratch)
+    with _quiet_dcp():
+        dcp.save({}, storage_writer=storage.writer(scratch), planner=_ChunkSavePlanner(chunks), no_dist=True)
+    with storage.fs.open(f"{scratch}/.metadata", "rb") as fh:
+        part = read_metadata(fh)
+    name = f"__{rank}_0.distcp"
+    storage.fs.mv(f"{scratch}/__0_0.distcp", f"{path}/{name}")
+    storage.remove(scratch)
+    part.storage_data = {k: dataclasses.replace(v, relative_path=name) for k, v in part.storage_data.items()}
+    digest, n = storage.sha256(f"{path}/{name}")
+    return {name: {"sha256": digest, "bytes": n}}, part
+
+
+def merge_metadata(parts: list[Metadata]) -> Metadata:
+    """One DCP metadata from every rank's part: each tensor's boxes, and where each box lies."""
+    out = parts[0]
+    for part in parts[1:]:
+        for fqn, md in part.state_dict_metadata.items():
+            mine = out.state_dict_metadata.get(fqn)
+            if mine is None:
+                out.state_dict_metadata[fqn] = md
+            else:
+                mine.chunks.extend(md.chunks)
+        out.storage_data.update(part.storage_data)
+    return out
+
+
+def persist(storage: Storage, step: int, write, meta: dict[str, Any] | None, group: dist.ProcessGroup | None,
+            rank: int, world: int, inject=None) -> PersistResult:
+    """Collective over `group` (every rank, same order): write this rank's part, commit on rank 0.
+
+    write(path) -> (files, metadata part) writes the rank's boxes (`write_rank_files`, in the writer
+    process or here). Then one all-gather brings every rank's outcome to rank 0, which writes the
+    merged `.metadata` and, last, COMMIT.json. Never raises for storage failures: the result says
+    what went wrong, the same on every rank. `inject(point, step)` is the fault-injection hook.
     """
     t0 = time.perf_counter()
     path = storage.step_dir(step)
@@ -339,43 +383,42 @@ def persist(storage: Storage, step: int, chunks: list[Chunk], meta: dict[str, An
         error = f"{type(e).__name__}: {e}"
     error = _agree(error, group, world)
     files: dict[str, dict[str, Any]] = {}
-    written = 0
+    part = None
     if not error:
         try:
-            with _quiet_dcp():
-                dcp.save({}, storage_writer=storage.writer(path), planner=_ChunkSavePlanner(chunks),
-                         process_group=group, no_dist=world == 1)
-            mine = [f for f in storage.fs.ls(path, detail=False)
-                    if PurePosixPath(str(f)).name.startswith(f"__{rank}_")]
-            for f in mine:
-                digest, n = storage.sha256(str(f))
-                files[PurePosixPath(str(f)).name] = {"sha256": digest, "bytes": n}
-                written += n
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - disk full, I/O error, another rank
-            error = _first_line(e)
+            files, part = write(path)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - disk full, I/O error, a dead writer
+            error = first_line(e)
     if inject is not None:
         inject("persist", step)  # e.g. SIGKILL between the shards and the commit marker
     gathered = [None] * world
     if world > 1:
-        dist.all_gather_object(gathered, (error, files), group=group)
+        dist.all_gather_object(gathered, (error, files, part), group=group)
     else:
-        gathered = [(error, files)]
-    errors = [e for e, _ in gathered if e]
+        gathered = [(error, files, part)]
+    errors = [e for e, _, _ in gathered if e]
     ok = not errors
     if ok and rank == 0:
         try:
             all_files = {}
-            for _, f in gathered:
+            for _, f, _ in gathered:
                 all_files |= f
+            md = merge_metadata([p for _, _, p in gathered])
+            with storage.fs.open(f"{path}/.metadata", "wb") as fh:
+                pickle.dump(md, fh)  # DCP's own format: its tools read it
+                if not storage.is_url:
+                    fh.flush()
+                    os.fsync(fh.fileno())
             md_digest, md_bytes = storage.sha256(f"{path}/.metadata")
             all_files[".metadata"] = {"sha256": md_digest, "bytes": md_bytes}
             storage.write_commit(path, {"format": FORMAT, "step": step, "files": all_files,
                                         "time": time.time(), **(meta or {})})
         except Exception as e:  # noqa: BLE001
-            errors, ok = [_first_line(e)], False
+            errors, ok = [first_line(e)], False
     result = [ok, errors[0] if errors else ""]
     if world > 1:
         dist.broadcast_object_list(result, src=_global_rank0(group), group=group)
+    written = sum(f["bytes"] for f in files.values())
     return PersistResult(step, path, bool(result[0]), result[1], written, time.perf_counter() - t0)
 
 
@@ -391,7 +434,7 @@ def load_chunks(storage: Storage, path: str, chunks: list[Chunk]) -> int:
         inner = _inner(e)
         if isinstance(inner, CheckpointError):  # ours, raised inside DCP's planning
             raise inner from None
-        raise CheckpointError(f"checkpoint {storage.url(path)}: cannot be read ({_first_line(e)})") from None
+        raise CheckpointError(f"checkpoint {storage.url(path)}: cannot be read ({first_line(e)})") from None
     return planner.bytes_read
 
 
@@ -452,12 +495,14 @@ def _inner(e: BaseException) -> BaseException:
     return e
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     """'OSError: [Errno 28] No space left on device', also from inside DCP's CheckpointException."""
+    if isinstance(e, StorageFailure):
+        return str(e)
     if isinstance(e, CheckpointException) and e.failures:
         rank, failure = sorted(e.failures.items())[0]
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, BaseException):
-            return f"rank {rank}: {_first_line(inner)}"
+            return f"rank {rank}: {first_line(inner)}"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".strip()
