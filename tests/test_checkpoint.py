@@ -104,6 +104,19 @@ def test_restores_from_memory_after_the_writer_is_killed(corpus, tmp_path, refer
     assert not memory_files(run_dir)  # freed once storage holds the final state
 
 
+def test_a_killed_writer_process_is_one_line_and_training_goes_on(corpus, tmp_path, reference):
+    """kill -9 of the writer process (stage 2 of step 6): that persist fails with one line, training goes
+    on, a new writer persists the end; nothing is lost."""
+    run_dir = tmp_path / "run"
+    r = cli(corpus, run_dir, env={"MEGASCALE_INJECT": "kill@writer:6"})
+    assert r.returncode == 0, r.stderr
+    fails = [ln for ln in r.stderr.splitlines() if "persisting step" in ln]
+    assert len(fails) == 1 and "persisting step 6" in fails[0] and "writer process of rank 0 died" in fails[0]
+    assert "step 3 stays the newest checkpoint" in fails[0], r.stderr
+    assert [s for s, _ in Storage(run_dir / "checkpoints").committed()] == [3, 8]
+    assert same(final_weights(run_dir), reference)
+
+
 def test_restores_from_storage_when_memory_is_gone(corpus, tmp_path, reference):
     """The same kill, and the host lost too (its memory cleared): storage's step 3, the previous complete
     checkpoint, is restored, and the run still ends with the reference weights."""

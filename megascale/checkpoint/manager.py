@@ -14,8 +14,10 @@ Flow of one checkpoint (docs/architecture.md draws it):
 
 1. Stage 1 (`snapshot.py`): copy the boxes into a host-memory slot under /dev/shm, in the
    background while the next step's forwards and backwards run; the update waits for it.
-2. Stage 2 (`storage.py`): a background thread on every rank persists the slot in DCP format,
-   each rank its own boxes, then rank 0 writes the commit marker with every file's checksum.
+2. Stage 2 (`storage.py`, `writer.py`): a background thread on every rank hands the slot to the
+   rank's writer process, which writes the rank's boxes in DCP format from /dev/shm; one
+   all-gather brings the outcomes to rank 0, which merges the metadata and writes the commit
+   marker with every file's checksum.
    A failure is one logged line; training goes on and the previous checkpoint stays newest.
 3. Restore: the newest complete state wins: the host-memory snapshot every rank still has
    (a restarted process on the same host, same layout), else the newest committed checkpoint

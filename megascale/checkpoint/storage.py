@@ -3,9 +3,11 @@
 Layout under the storage root (`checkpoint.path`, default RUN_DIR/checkpoints; a local path or
 any fsspec URL)::
 
-    step_000100/__0_0.distcp     rank 0's boxes (shards.py), written by DCP
+    step_000100/__0_0.distcp     rank 0's boxes (shards.py), written by DCP (write_rank_files)
     step_000100/__1_0.distcp     rank 1's ...
-    step_000100/.metadata        DCP's metadata: every tensor's global shape and where its boxes lie
+    step_000100/.metadata        DCP's metadata: every tensor's global shape and where its boxes lie,
+                                 merged by rank 0 from the ranks' parts (no DCP collective: each
+                                 rank writes alone, in its writer process, writer.py)
     step_000100/COMMIT.json      written last, by rank 0, after every rank's files are durable:
                                  step, sha256 and size of every file, the loader position, the
                                  (redacted) config and the layout that saved it
