@@ -117,7 +117,7 @@ class CheckpointManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="persist") if c.async_persist else None
         # the writing itself in a process of its own (writer.py), reading the slot file; a thread when
         # there is no slot file to read or the storage lives in this process (memory://)
-        self.writer = WriterProcess(rank) if c.writer_process else None
+        self.writer = WriterProcess(rank) if c.writer_process and WriterProcess.possible() else None
         self._pending: list[Future] = []
         self._events: list[dict[str, Any]] = []
         self._events_lock = threading.Lock()

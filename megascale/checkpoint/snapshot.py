@@ -250,6 +250,10 @@ class HostSnapshot:
         for i in (0, 1):
             for ext in ("json", "bin", "json.tmp"):
                 self._file(i, ext).unlink(missing_ok=True)
+        try:
+            self.dir.rmdir()  # the run's folder, once no rank has a slot in it
+        except OSError:
+            pass
         self.slots = [_Slot(0), _Slot(1)]
         self.latest = None
 

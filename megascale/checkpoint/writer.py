@@ -26,6 +26,12 @@ from megascale.checkpoint.storage import StorageFailure
 
 
 class WriterProcess:
+    @staticmethod
+    def possible() -> bool:
+        """A daemonic process (a multiprocessing pool's worker) may start no children: the persist
+        then writes from a thread (torchrun's and `--nproc`'s workers are not daemonic)."""
+        return not mp.current_process().daemon
+
     def __init__(self, rank: int):
         self.rank = rank
         self._proc = None
