@@ -195,7 +195,7 @@ def test_a_full_disk_fails_the_persist_and_training_goes_on(corpus, tmp_path, re
 
 
 @pytest.mark.parametrize("mode", [
-    ["checkpoint.async_persist=false", "checkpoint.async_snapshot=false"],
+    ["checkpoint.async_persist=false", "checkpoint.async_snapshot=false", "checkpoint.writer_process=false"],
     ["checkpoint.memory=false"],
     ["checkpoint.memory_interval=1", "checkpoint.interval=2", "checkpoint.keep=1"],
 ], ids=["synchronous", "private-memory", "snapshot-every-step"])
