@@ -4,4 +4,5 @@ import sys
 
 from megascale.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned child (the checkpoint writer) imports its parent's main
+    sys.exit(main())

@@ -165,7 +165,8 @@ class CheckpointManager:
                 slot_file, table = self.snapshots.slot_file(step)
 
                 def write(path: str):
-                    return self.writer.write(self.storage.display, path, slot_file, table, blob)
+                    root = self.storage.display if self.storage.is_url else self.storage.root  # absolute
+                    return self.writer.write(root, path, slot_file, table, blob)
             else:
                 extra_box = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
                 own = Chunk(_rank_extra_fqn(self.rank), tuple(extra_box.shape), (0,), extra_box, True)
