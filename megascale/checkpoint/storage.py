@@ -43,7 +43,11 @@ import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    _validate_global_plan,
+)
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -352,7 +356,11 @@ def write_rank_files(storage: Storage, path: str, rank: int, chunks: list[Chunk]
 
 
 def merge_metadata(parts: list[Metadata]) -> Metadata:
-    """One DCP metadata from every rank's part: each tensor's boxes, and where each box lies."""
+    """One DCP metadata from every rank's part: each tensor's boxes, and where each box lies.
+
+    Raises ValueError unless the boxes tile every tensor exactly (in bounds, no overlap, the whole
+    volume): DCP's own check of a global plan, which a per-rank save cannot run.
+    """
     out = parts[0]
     for part in parts[1:]:
         for fqn, md in part.state_dict_metadata.items():
@@ -362,6 +370,9 @@ def merge_metadata(parts: list[Metadata]) -> Metadata:
             else:
                 mine.chunks.extend(md.chunks)
         out.storage_data.update(part.storage_data)
+    errors = _validate_global_plan([SavePlan([]), SavePlan([])], out)  # two plans: the fill is checked
+    if errors:
+        raise ValueError(f"the ranks' boxes do not tile the state ({errors[0]})")
     return out
 
 
