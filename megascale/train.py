@@ -131,12 +131,8 @@ class Trainer:
         del init
         self.model, self.optimizer = self.engine.model, self.engine.optimizer
         self.n_micro = self.engine.n_micro  # micro-batches per step on each dp rank
-        self._num_params = sum(c.tensor.numel() for c in self.engine.model_chunks()  # a tied copy once
-                               if c.write and c.fallback is None)
-        if self.world_size > 1:  # the weights' boxes of this rank only: sum over the ranks
-            box = torch.tensor([self._num_params], dtype=torch.float64, device=self.device)
-            torch.distributed.all_reduce(box)
-            self._num_params = int(box.item())
+        with torch.device("meta"):  # the one-process count (a tied matrix once), no memory, no collective
+            self._num_params = GPT(m).num_params()
         self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed,
                                   dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp, prefetch=2)
         self.step = 0

@@ -256,12 +256,13 @@ class CheckpointManager:
                 return info
             skipped.append(f"host memory step {mem[0]}: unusable")
         for step, path in reversed(stored):
-            problem = self._check_stored(path)
+            problem, record, verified = self._check_stored(path)
             if problem is not None:
                 self.log(f"checkpoint: {problem}; falling back to an earlier checkpoint")
                 skipped.append(problem)
                 continue
-            info = self._restore_storage(step, path, state)
+            info = self._restore_storage(step, path, record, state)
+            info.bytes_verified = verified
             info.seconds, info.skipped = time.perf_counter() - t0, skipped
             self.committed = {s for s, _ in stored}
             return info
@@ -286,8 +287,9 @@ class CheckpointManager:
         error = ""
         extra: dict[str, Any] = {}
         try:
-            keys = self._memory_keys(step)
-            ensure_optimizer_state(state.optimizer, keys)
+            table = self.snapshots.table(step)
+            ensure_optimizer_state(state.optimizer, _optimizer_keys(
+                (fqn, tuple(shape), dtype) for fqn, _, _, dtype, _, _, shape in table))
             extra = self.snapshots.restore(step, state.model_chunks() + state.optimizer_chunks())
         except (OSError, ValueError, KeyError, RuntimeError) as e:  # a damaged or foreign snapshot
             error = f"{type(e).__name__}: {e}"
@@ -299,16 +301,9 @@ class CheckpointManager:
         self._snapshot_step = step
         return RestoreInfo(step, "memory", str(self.memory_dir), extra, 0.0)
 
-    def _memory_keys(self, step: int) -> dict[str, tuple[bool, torch.dtype]]:
-        for i in (0, 1):
-            h = self.snapshots._header(i)
-            if h is not None and h["step"] == step:
-                return _optimizer_keys((fqn, tuple(shape), dtype)
-                                       for fqn, _, _, dtype, _, _, shape in h["table"])
-        raise KeyError(f"snapshot of step {step}")
-
-    def _check_stored(self, path: str) -> str | None:
-        """Verify every file's checksum, the files split over the ranks; the first problem, or None."""
+    def _check_stored(self, path: str) -> tuple[str | None, dict | None, int]:
+        """Verify every file's checksum, the files split over the ranks: (the first problem or None,
+        the commit record, the bytes this rank checksummed)."""
         record, problem = None, None
         try:
             record = self.storage.read_commit(path)
@@ -319,29 +314,29 @@ class CheckpointManager:
             dist.broadcast_object_list(box, src=0, group=self.group)
         record, problem = box
         if problem:
-            return problem
-        names = sorted(record["files"])
-        mine = verify(self.storage, path, record, names[self.rank::self.world])
-        self._record = record
-        self._verified = sum(record["files"][n]["bytes"] for n in names[self.rank::self.world])
-        return self._agree(mine or "") or None
+            return problem, None, 0
+        mine = sorted(record["files"])[self.rank::self.world]
+        problem = self._agree(verify(self.storage, path, record, mine) or "") or None
+        return problem, record, sum(record["files"][n]["bytes"] for n in mine)
 
-    def _restore_storage(self, step: int, path: str, state: TrainState) -> RestoreInfo:
-        record = self._record
+    def _restore_storage(self, step: int, path: str, record: dict, state: TrainState) -> RestoreInfo:
         same = record.get("layout") == self.layout and record.get("world") == self.world
+        broadcast = self.cfg.checkpoint.broadcast_restore and self.mesh.dp > 1
         error, nbytes, extra = "", 0, {}
         try:
-            keys = _optimizer_keys((k, tuple(md.size), str(md.properties.dtype))
-                                   for k, md in stored_tensors(self.storage, path).items())
-            ensure_optimizer_state(state.optimizer, keys)
-            broadcast = self.cfg.checkpoint.broadcast_restore and self.mesh.dp > 1
+            tensors = stored_tensors(self.storage, path)
+            ensure_optimizer_state(state.optimizer, _optimizer_keys(
+                (k, tuple(md.size), str(md.properties.dtype)) for k, md in tensors.items()))
             chunks = state.optimizer_chunks()
             if not broadcast or self.mesh.dp_rank == 0:
                 chunks = state.model_chunks() + chunks
             if same:
-                n = self._extra_size(path)
-                blob = torch.zeros(n, dtype=torch.uint8)
-                chunks.append(Chunk(_rank_extra_fqn(self.rank), (n,), (0,), blob, True))
+                md = tensors.get(_rank_extra_fqn(self.rank))
+                if md is None:
+                    raise CheckpointError(f"checkpoint {self.storage.url(path)}: no state of rank "
+                                          f"{self.rank}")
+                blob = torch.zeros(int(md.size[0]), dtype=torch.uint8)
+                chunks.append(Chunk(_rank_extra_fqn(self.rank), tuple(blob.shape), (0,), blob, True))
             nbytes = load_chunks(self.storage, path, chunks)
             if same:
                 extra["rng"] = json.loads(bytes(blob.tolist()).decode())
@@ -350,16 +345,10 @@ class CheckpointManager:
         error = self._agree(error)
         if error:
             raise UserError(error)
-        if self.cfg.checkpoint.broadcast_restore and self.mesh.dp > 1:
+        if broadcast:
             state.broadcast_weights()
         extra["loader"] = record.get("loader")
-        return RestoreInfo(step, "storage", self.storage.url(path), extra, 0.0, nbytes, self._verified, same)
-
-    def _extra_size(self, path: str) -> int:
-        md = stored_tensors(self.storage, path).get(_rank_extra_fqn(self.rank))
-        if md is None:
-            raise CheckpointError(f"checkpoint {self.storage.url(path)}: no state of rank {self.rank}")
-        return int(md.size[0])
+        return RestoreInfo(step, "storage", self.storage.url(path), extra, 0.0, nbytes, same_layout=same)
 
     def _agree(self, error: str) -> str:
         if self.world == 1:

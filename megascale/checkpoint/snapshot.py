@@ -208,6 +208,14 @@ class HostSnapshot:
                 steps.append(h["step"])
         return sorted(steps, reverse=True)
 
+    def table(self, step: int) -> list:
+        """The box table of the snapshot of `step` this rank left in memory (KeyError: none)."""
+        for i in (0, 1):
+            h = self._header(i)
+            if h is not None and h["step"] == step:
+                return h["table"]
+        raise KeyError(f"snapshot of step {step}")
+
     def _header(self, i: int) -> dict | None:
         f = self._file(i, "json")
         try:

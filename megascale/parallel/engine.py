@@ -92,7 +92,7 @@ class ParallelEngine:
 
         self.single = mesh.world_size == 1
         if self.single:  # one process: the seed's GPT is the model, built where it runs
-            model = GPT(cfg.model).to(device=device, dtype=dtype)
+            model = self.model = GPT(cfg.model).to(device=device, dtype=dtype)
             if full_state is not None:
                 model.load_state_dict(full_state)
         else:
@@ -109,9 +109,7 @@ class ParallelEngine:
             if self.factory is not None:
                 parallelize(model, self.factory)
             set_rng_state(rng)
-            model = model.to(dtype=dtype)
-        self.model = model
-        if not self.single:
+            self.model = model = model.to(dtype=dtype)
             self.load_model_state(full_state)
         self.forward = torch.compile(model) if t.compile else model
         # dropout masks from (seed, step, micro-batch, site, tp coordinate): resumable, layout-aware
