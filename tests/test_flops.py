@@ -10,11 +10,16 @@ from torch.utils.flop_counter import FlopCounterMode
 from megascale.config import ConfigError, ModelConfig
 from megascale.model import GPT
 from megascale.perf.flops import (
+    EXACT,
+    PUBLISHED,
     attended_keys,
     flops_per_token,
     forward_flops_per_token,
     hardware_flops_per_token,
+    mfu_conventions,
     model_flops_per_token,
+    published_flops_per_token,
+    published_param_count,
 )
 
 
@@ -104,3 +109,77 @@ def test_matmul_flops_match_torch_counter(style):
 def test_flops_module_imports_no_torch():
     code = "import sys, megascale.perf.flops; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------- published convention
+
+
+def test_published_hand_count_small_gpt():
+    # d = 64, f = 256, L = 2, V = 100, s = 16, biases on, tied embeddings
+    attn = 4 * 64 * 64 + 4 * 64  # qkv + out weights and biases: 16640
+    mlp = 2 * 64 * 256 + 256 + 64  # fc-in, fc-out weights and biases: 33088
+    norms = 2 * (64 + 64)  # two LayerNorms with bias: 256
+    n = 2 * (attn + mlp + norms) + (64 + 64) + 100 * 64  # + final norm + the (tied) head: 106496
+    assert published_param_count(small()) == n == 106496
+    assert published_flops_per_token(small()) == 6 * n + 12 * 2 * 64 * 16 == 663552
+    # position and untied token tables are lookups: N does not change with them
+    assert published_param_count(small(tie_embeddings=False)) == n
+    assert published_param_count(small(seq_len=1024)) == n
+
+
+def test_published_gpt3_175b():
+    # GPT-3 175B (Brown et al. 2020, table 2.1): 96 layers, d_model 12288, 96 heads, s = 2048, V = 50257
+    cfg = ModelConfig(vocab_size=50257, seq_len=2048, n_layers=96, d_model=12288, n_heads=96)
+    d = 12288
+    blocks = 96 * (12 * d * d + 13 * d)  # 12 d^2 weights, 13 d biases and norm parameters per layer
+    n = blocks + 2 * d + 50257 * d
+    assert published_param_count(cfg) == n == 174_579_093_504  # ~174.6e9: "175B"
+    attention = 12 * 96 * d * 2048  # 12 L d s = 2.90e10
+    assert published_flops_per_token(cfg) == 6 * n + attention == 1_076_465_590_272  # 1.076e12 per token
+    # 6N alone is 1.047e12; the exact causal count is 1.4% lower than the published one
+    assert published_flops_per_token(cfg) / model_flops_per_token(cfg) == pytest.approx(1.0137, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"bias": False},
+        {"tie_embeddings": False},
+        {"block": "parallel"},
+        {"style": "llama", "bias": False},
+        {"style": "llama", "bias": True, "tie_embeddings": False, "block": "parallel"},
+        {"d_ff": 96},
+    ],
+)
+def test_published_n_is_the_models_matmul_parameters(kw):
+    """N = the model's parameters without its lookup tables, plus the head's weight counted once."""
+    cfg = small(**kw)
+    head = cfg.vocab_size * cfg.d_model
+    assert published_param_count(cfg) == GPT(cfg).num_params(exclude_embeddings=True) + head
+
+
+def test_exact_against_published_at_s_1():
+    # At s = 1 both count attention over one key; what is left is that 6N also counts the norms
+    # (and biases) as if they were weights: 6 * (2L + 1) * d for a bias-free llama model.
+    cfg = small(style="llama", bias=False)
+    exact, published = model_flops_per_token(cfg, seq_len=1), published_flops_per_token(cfg, seq_len=1)
+    assert published - exact == 6 * (2 * cfg.n_layers + 1) * cfg.d_model
+    # and at s tokens the published count adds attention over s keys instead of (s + 1) / 2
+    s = cfg.seq_len
+    assert published_flops_per_token(cfg) - model_flops_per_token(cfg) == (
+        published - exact + 12 * cfg.n_layers * cfg.d_model * (s - (s + 1) / 2)
+    )
+
+
+def test_mfu_conventions_names_both():
+    cfg = small()
+    both = mfu_conventions(cfg)
+    assert list(both) == [EXACT, PUBLISHED] == ["exact (causal (s+1)/2 keys)", "PaLM/Megatron 6N+12Lds"]
+    assert both[EXACT] == model_flops_per_token(cfg) and both[PUBLISHED] == published_flops_per_token(cfg)
+    assert mfu_conventions(cfg, seq_len=4)[PUBLISHED] == published_flops_per_token(cfg, seq_len=4)
+    # the convention knows no windows: a sliding-window model costs it the full s
+    slid = small(attention="sliding", window=4)
+    assert published_flops_per_token(slid) == both[PUBLISHED] and model_flops_per_token(slid) < both[EXACT]
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        published_flops_per_token(small(vocab_size=0))
