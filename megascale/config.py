@@ -164,6 +164,20 @@ class DistributedConfig:
 
 
 @dataclass
+class ObserveConfig:
+    timers: bool = True  # always-on per-op timers into RUN_DIR/trace (megascale timeline, report, stragglers)
+    flush_interval_s: float = 1.0  # how often the trace writer thread drains the ring buffer
+    buffer_records: int = 65536  # the ring buffer's size; the oldest records go if the writer falls behind
+    clock_sync_interval: int = 100  # steps between re-checks of the ranks' clock offsets (0: at start only)
+    straggler_window: int = 10  # steps per straggler window (0: no online straggler detection)
+    straggler_threshold: float = 0.1  # a rank this much slower than the median of its peers is a straggler
+    straggler_windows: int = 2  # ... in this many consecutive windows
+    hang_timeout_s: float = 300.0  # no progress in one collective this long: dump stacks + in-flight ops
+    hang_action: str = "abort"  # after the dump: "abort" (exit 3, so a launcher can restart) or "dump"
+    flight_recorder: int = 2000  # entries of PyTorch's flight recorder per group (0: off)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -173,6 +187,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, with secrets redacted: this is what config.toml, metrics and checkpoints hold."""
@@ -372,6 +387,16 @@ def validate(cfg: Config) -> None:
     _positive("distributed.timeout_s", ds.timeout_s)
     if "/" in ds.job_id:
         raise ConfigError(f"distributed.job_id: must not contain '/', got {ds.job_id!r}")
+
+    ob = cfg.observe
+    _positive("observe.flush_interval_s", ob.flush_interval_s)
+    _positive("observe.buffer_records", ob.buffer_records)
+    for name in ("clock_sync_interval", "straggler_window", "flight_recorder"):
+        _positive(f"observe.{name}", getattr(ob, name), allow_zero=True)
+    _positive("observe.straggler_threshold", ob.straggler_threshold)
+    _positive("observe.straggler_windows", ob.straggler_windows)
+    _positive("observe.hang_timeout_s", ob.hang_timeout_s)
+    _choice("observe.hang_action", ob.hang_action, ("abort", "dump"))
 
 
 def validate_layout(cfg: Config) -> None:

@@ -48,12 +48,14 @@ from megascale.data import BatchLoader, build_tokenizer, ensure_dataset, open_sp
 from megascale.distributed.init import agree_on_user_errors, create_mesh, first_collective, init_distributed
 from megascale.errors import UserError
 from megascale.model import GPT
+from megascale.observe import timers
 from megascale.observe.metrics import MetricsLogger
+from megascale.observe.session import Observer
 from megascale.optim import lr_at, set_lr
 from megascale.parallel.engine import ParallelEngine, layout_of
 from megascale.parallel.mesh import Mesh
-from megascale.perf.flops import flops_per_token
-from megascale.perf.hardware import measure_cpu_peak, peak_flops
+from megascale.perf.flops import flops_per_token, published_flops_per_token
+from megascale.perf.hardware import PeakInfo, peak_info, record_matmul_rate
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -66,7 +68,8 @@ class StepStats:
     grad_norm: float
     step_time: float
     tokens_per_s: float
-    mfu: float
+    mfu: float  # exact FLOPs (causal attention: (s+1)/2 keys per query) over the peak
+    mfu_published: float  # the PaLM/Megatron convention (6N + 12*L*d*s per token, full s), for comparisons
 
 
 def resolve_device(name: str) -> torch.device:
@@ -143,21 +146,25 @@ class Trainer:
         self.restored: RestoreInfo | None = None
         with agree_on_user_errors(self.dist):
             self._resume(resume)
+        # after the resume: a fresh start has archived an earlier run's traces by now
+        self.observer = Observer(cfg, self.run_dir, self.mesh, self.device, self._warn)
 
         self.tokens_per_step = t.global_batch * m.seq_len  # the whole job's, every layout
         self.flops_per_token = flops_per_token(m, training=True)
-        self.peak = self._peak_flops()  # per device; MFU divides by world_size of them
+        self.flops_per_token_published = published_flops_per_token(m)
+        self.peak_info = self._peak_flops()  # per device; MFU divides by world_size of them
+        self.peak = self.peak_info.flops
         self._stop_signal: int | None = None
         self._stop_agreed: int | None = None  # the signal every rank stops for
 
-    def _peak_flops(self) -> float:
+    def _peak_flops(self) -> PeakInfo:
         cfg, t = self.cfg, self.cfg.train
         if cfg.log.peak_flops or self.world_size == 1 or self.device.type != "cpu":
-            return peak_flops(self.device.type if self.device.type == "cpu" else _gpu_name(), t.dtype,
-                              override=cfg.log.peak_flops or None)
-        box = [peak_flops("cpu", t.dtype) if self.is_main else None]  # one CPU probe, not one per rank
+            return peak_info(self.device.type if self.device.type == "cpu" else _gpu_name(), t.dtype,
+                             override=cfg.log.peak_flops or None)
+        box = [peak_info("cpu", t.dtype) if self.is_main else None]  # one CPU probe, not one per rank
         torch.distributed.broadcast_object_list(box, src=0)
-        return float(box[0])
+        return box[0]
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -201,7 +208,9 @@ class Trainer:
         return self.checkpoints.storage.url(self.checkpoints.storage.step_dir(self.step))
 
     def close(self) -> None:
-        """Release the run directory and the checkpoint threads (fit() releases the lock too)."""
+        """Release the run directory, the checkpoint threads and the trace writer (fit() releases the
+        lock too)."""
+        self.observer.close()
         self.checkpoints.close()
         self.loader.close()
         if self._lock is not None:
@@ -232,29 +241,36 @@ class Trainer:
         process)."""
         t0 = time.perf_counter()
         cfg, engine = self.cfg, self.engine
+        self.observer.begin_step(self.step)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         set_lr(self.optimizer, lr)
-        x, y = self.loader.next_batch()  # this dp rank's rows of the global batch
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with timers.span("next_batch", "data"):
+            x, y = self.loader.next_batch()  # this dp rank's rows of the global batch
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
         local_loss = engine.forward_backward(x, y, self._autocast, self.step)
-        grad_norm = engine.clip_grads(cfg.optim.grad_clip)  # global: the same on every rank
-        self.checkpoints.before_update()  # a snapshot's copy must be complete before the weights change
+        with timers.span("clip"):
+            grad_norm = engine.clip_grads(cfg.optim.grad_clip)  # global: the same on every rank
+        with timers.span("blocked", "checkpoint"):
+            self.checkpoints.before_update()  # a snapshot's copy must be complete before the weights change
         if torch.isfinite(grad_norm):
             engine.step()
         else:  # a non-finite gradient would poison the weights: skip the update, keep going, say so
             self._log_print(f"step {self.step + 1}: non-finite gradient norm, update skipped")
         engine.zero_grad()
         self.step += 1
-        loss_value, self._stop_agreed = engine.agree(local_loss, self._stop_signal)  # .item(): a sync
+        # .item(): a sync
+        loss_value, self._stop_agreed = engine.agree(local_loss, self._stop_signal, self.step)
         dt = time.perf_counter() - t0
         tps = self.tokens_per_step / dt
         if (self.world_size == 1 and tps * self.flops_per_token > self.peak and self.device.type == "cpu"
                 and not cfg.log.peak_flops):
-            # Faster than the cached peak: that probe ran on a busy machine. Measure again.
-            self.peak = max(tps * self.flops_per_token, measure_cpu_peak(cfg.train.dtype, refresh=True))
+            # Faster than the peak: the probe ran on a busy machine. What this step did is a lower bound
+            # on what the CPU can do; it becomes the cached best (no re-probe on the hot path).
+            self.peak = record_matmul_rate(cfg.train.dtype, tps * self.flops_per_token)
+        devices = self.peak * self.world_size
         return StepStats(self.step, loss_value, lr, float(grad_norm), dt, tps,
-                         tps * self.flops_per_token / (self.peak * self.world_size))
+                         tps * self.flops_per_token / devices, tps * self.flops_per_token_published / devices)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -281,6 +297,12 @@ class Trainer:
         start_step = self.step
         if self.dist.timings:  # rank 0's start-up breakdown, in seconds
             logger.log("startup", {"step": start_step, **self.dist.timings})
+        logger.log("layout", {"step": start_step, **self.observer.layout_record()})
+        logger.log("peak", {"step": start_step, "peak_flops": self.peak, "source": self.peak_info.source,
+                            "detail": self.peak_info.detail, "devices": self.world_size,
+                            "flops_per_token": self.flops_per_token,
+                            "flops_per_token_published": self.flops_per_token_published})
+        timers.install(self.observer.recorder)  # this Trainer's, if a process runs several
         self._banner(start_step)
         old_handlers = self._install_signal_handlers()
         bar = self._progress_bar(start_step)
@@ -297,7 +319,7 @@ class Trainer:
                 losses.append(s.loss)
                 rec = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm,
                        "step_time": s.step_time, "tokens_per_s": s.tokens_per_s, "mfu": s.mfu,
-                       "tokens": s.step * self.tokens_per_step}
+                       "mfu_published": s.mfu_published, "tokens": s.step * self.tokens_per_step}
                 if self.engine.pipelined:
                     rec["bubble"] = self.engine.bubble  # rank 0's idle fraction in the pipeline
                 logger.log("train", rec)
@@ -309,10 +331,12 @@ class Trainer:
                 c = cfg.checkpoint
                 if s.step < end and (c.interval and s.step % c.interval == 0
                                      or c.memory_interval and s.step % c.memory_interval == 0):
-                    self.save(persist=bool(c.interval and s.step % c.interval == 0))
+                    with timers.span("snapshot", "checkpoint"):
+                        self.save(persist=bool(c.interval and s.step % c.interval == 0))
                     saved_at = s.step
                 for ev in self.checkpoints.events():
                     logger.log("persist", ev)
+                self.observer.end_step(s.step, logger)
                 if self._stopping() is not None:
                     break
             interrupted = self._stopping() is not None
@@ -330,6 +354,8 @@ class Trainer:
             self.loader.close()
             self._restore_signal_handlers(old_handlers)
             self.checkpoints.wait()
+            if self.observer.recorder is not None:
+                self.observer.recorder.flush()  # the trace is complete when fit returns
             if self._lock is not None:
                 self._lock.release()
         seconds = time.perf_counter() - t_start
@@ -343,6 +369,8 @@ class Trainer:
             "median_step_time": med,
             "tokens_per_s": self.tokens_per_step / med if times else float("nan"),
             "mfu": self.tokens_per_step / med * self.flops_per_token / peak if times else float("nan"),
+            "mfu_published": (self.tokens_per_step / med * self.flops_per_token_published / peak if times
+                              else float("nan")),
             "interrupted": self._stopping() is not None,
             "stop_signal": self._stopping(),
         }
@@ -371,7 +399,7 @@ class Trainer:
               f"attention), {m.n_layers} layers, d_model {m.d_model}, vocab {m.vocab_size}, seq {m.seq_len}")
         print(f"  data: {len(self.train_samples)} train / {len(self.val_samples)} val samples; "
               f"batch {t.global_batch} = {self.n_micro} x {t.micro_batch}; {t.dtype} on {self.device}; "
-              f"peak {self.peak / 1e9:.0f} GFLOP/s; {where}")
+              f"peak {self.peak / 1e9:.0f} GFLOP/s ({self.peak_info.source}); {where}")
         print(f"  unigram baseline: {unigram_entropy(self.train_samples, m.vocab_size):.3f} nats/token "
               f"(a model that learned nothing but token frequencies)")
         if self.world_size > 1:

@@ -23,7 +23,7 @@ from pathlib import Path
 from megascale.checkpoint.storage import Storage
 from megascale.errors import UserError
 
-_RUN_FILES = ("metrics.jsonl", "tensorboard", "config.toml")
+_RUN_FILES = ("metrics.jsonl", "tensorboard", "config.toml", "trace", "timeline.json", "report.html")
 
 
 class RunDirLock:
@@ -63,7 +63,7 @@ def archive_previous_run(run_dir: Path, storage: Storage, default_storage: bool)
         raise UserError(f"checkpoint.path {storage.display}: holds checkpoints of an earlier run (steps "
                         f"{', '.join(str(s) for s, _ in steps[-3:])}); a fresh start there would mix the two "
                         "runs: resume (checkpoint.resume=true), or move them away or choose another path")
-    if not steps and not (run_dir / "metrics.jsonl").exists():
+    if not steps and not files:
         return None
     dest = run_dir / "archive" / time.strftime("%Y%m%d-%H%M%S")
     n = 1

@@ -23,12 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
 
 def _all_reduce(x: Tensor, mesh: Mesh) -> Tensor:
     x = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(x, group=mesh.tp_group)
+    with timers.comm("all_reduce", "tp", "tp", nbytes=x.numel() * x.element_size()):
+        dist.all_reduce(x, group=mesh.tp_group)
     return x
 
 
@@ -43,7 +45,8 @@ def _all_gather(x: Tensor, mesh: Mesh, dim: int) -> Tensor:
     x = x.contiguous()
     # gloo wants the output in concatenated form (tp * n0, ...); viewed as stacked (tp, n0, ...).
     out = x.new_empty((mesh.tp * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=mesh.tp_group)
+    with timers.comm("all_gather", "tp", "tp", nbytes=out.numel() * out.element_size()):
+        dist.all_gather_single(out, x, group=mesh.tp_group)
     out = out.view(mesh.tp, *x.shape)
     # (tp, ..., n, ...) -> (..., tp * n, ...): the gathered pieces in rank order along dim.
     dim = dim % x.ndim
@@ -56,7 +59,8 @@ def _reduce_scatter(x: Tensor, mesh: Mesh, dim: int) -> Tensor:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over tp={mesh.tp}")
     pieces = x.unflatten(dim, (mesh.tp, -1)).movedim(dim, 0).contiguous()
     out = x.new_empty(pieces.shape[1:])
-    dist.reduce_scatter_single(out, pieces.flatten(0, 1), group=mesh.tp_group)
+    with timers.comm("reduce_scatter", "tp", "tp", nbytes=pieces.numel() * pieces.element_size()):
+        dist.reduce_scatter_single(out, pieces.flatten(0, 1), group=mesh.tp_group)
     return out
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron-Core's default (its min bucket at dp <= 40)
@@ -88,12 +89,14 @@ class Bucket:
             # Outside the shard: a zero-length piece, so that every rank lists every tensor.
             self.pieces.append(Piece(p, index, a - off, b - a, a - lo) if b > a else Piece(p, index, 0, 0, 0))
         self.ready: set[int] = set()
-        self.work = None
+        self.work = self.pending = None
 
     def start_grad_reduce(self) -> None:
         """Average over dp: scale by 1/dp, then reduce-scatter into this rank's shard (async)."""
         if self.mesh.dp > 1:
             self.grad_data.mul_(1.0 / self.mesh.dp)
+            self.pending = timers.launch("reduce_scatter", "dp", "dp",
+                                         nbytes=self.grad_data.numel() * self.grad_data.element_size())
             self.work = dist.reduce_scatter_single(self.grad_shard, self.grad_data,
                                                    group=self.mesh.dp_group, async_op=True)
 
@@ -101,8 +104,10 @@ class Bucket:
         """All-gather every rank's updated shard into the full bucket (async; returns the work or None)."""
         if self.mesh.dp == 1:
             return None
-        return dist.all_gather_single(self.param_data, self.param_shard, group=self.mesh.dp_group,
-                                      async_op=True)
+        pending = timers.launch("all_gather", "dp", "dp",
+                                nbytes=self.param_data.numel() * self.param_data.element_size())
+        return pending, dist.all_gather_single(self.param_data, self.param_shard, group=self.mesh.dp_group,
+                                               async_op=True)
 
 
 class DPBuffers:
@@ -194,8 +199,8 @@ class DPBuffers:
         self._next = len(self.buckets)
         for b in self.buckets:
             if b.work is not None:
-                b.work.wait()
-                b.work = None
+                b.pending.wait(b.work)
+                b.work = b.pending = None
         self._synced = True
 
     @torch.no_grad()
@@ -204,7 +209,8 @@ class DPBuffers:
         works = [b.start_param_gather() for b in self.buckets]
         for w in works:
             if w is not None:
-                w.wait()
+                pending, work = w
+                pending.wait(work)
 
     def zero_grad(self) -> None:
         for g in self.grad_buffers.values():

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megascale.config import OptimConfig
+from megascale.observe import timers
 from megascale.optim import Lamb, clip_grad_norm_
 from megascale.optim.build import param_groups
 from megascale.parallel.dp_buffers import DEFAULT_BUCKET_SIZE, DPBuffers, Piece
@@ -90,11 +91,13 @@ class DistributedOptimizer:
 
         def reduce(sq: Tensor) -> Tensor:
             if mesh.dp > 1:
-                dist.all_reduce(sq, group=mesh.dp_group)
+                with timers.comm("all_reduce", "dp", "dp"):
+                    dist.all_reduce(sq, group=mesh.dp_group)
             if mesh.tp > 1:
                 mask = torch.tensor(split, device=sq.device)
                 pieces = sq * mask
-                dist.all_reduce(pieces, group=mesh.tp_group)
+                with timers.comm("all_reduce", "tp", "tp"):
+                    dist.all_reduce(pieces, group=mesh.tp_group)
                 sq = torch.where(mask, pieces, sq)
             return sq
 
@@ -107,10 +110,12 @@ class DistributedOptimizer:
 
         def reduce(sq: Tensor) -> Tensor:
             total = (sq * counted.to(sq.device)).sum()
-            if mesh.dp > 1:
-                dist.all_reduce(total, group=mesh.dp_group)
+            if mesh.dp > 1:  # the global grad norm: over the shards, then over the model-parallel ranks
+                with timers.comm("all_reduce", "dp", "dp"):
+                    dist.all_reduce(total, group=mesh.dp_group)
             if mesh.mp_group is not None:
-                dist.all_reduce(total, group=mesh.mp_group)
+                with timers.comm("all_reduce", "tp", "mp"):
+                    dist.all_reduce(total, group=mesh.mp_group)
             return total
 
         return reduce
@@ -146,7 +151,8 @@ class DistributedOptimizer:
                      if getattr(p, "tp_partial_grad", False)]
             if grads:
                 flat = torch.cat(grads)
-                dist.all_reduce(flat, group=self.mesh.tp_group)
+                with timers.comm("all_reduce", "tp", "tp", nbytes=flat.numel() * flat.element_size()):
+                    dist.all_reduce(flat, group=self.mesh.tp_group)
                 torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
@@ -157,7 +163,8 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.finish_grad_sync()
-        self.optimizer.step()
+        with timers.span("optimizer"):
+            self.optimizer.step()
         self.buffers.gather_params()
 
     # ---- state

@@ -47,7 +47,9 @@ from torch import Tensor
 from megascale.checkpoint.rng import rng_state, set_rng_state
 from megascale.checkpoint.shards import Chunk, model_chunks, optimizer_chunks
 from megascale.config import Config
+from megascale.fault.inject import skips
 from megascale.model import GPT
+from megascale.observe import timers
 from megascale.optim import Lamb, build_optimizer, clip_grad_norm_
 from megascale.parallel.apply_tp import TPLayerFactory, parallelize
 from megascale.parallel.dp_optimizer import DistributedOptimizer
@@ -206,9 +208,11 @@ class ParallelEngine:
             # the distributed optimizer reduces the gradients once, on the last micro-batch
             accumulate = self.distributed and i < n - 1
             with self.optimizer.no_sync() if accumulate else contextlib.nullcontext():
-                with autocast(), self.dropout.step(step, i) if self.dropout else contextlib.nullcontext():
+                with autocast(), self.dropout.step(step, i) if self.dropout else contextlib.nullcontext(), \
+                        timers.span("forward", micro=i):
                     loss = self.forward(xs, ys)
-                (loss / n).backward()
+                with timers.span("backward", micro=i):
+                    (loss / n).backward()
             loss_sum += loss.detach()
         return loss_sum / n
 
@@ -226,7 +230,11 @@ class ParallelEngine:
         return clip_grad_norm_(self.params, max_norm, self.norm_reducer)
 
     def step(self) -> None:
-        self.optimizer.step()
+        if self.distributed:  # it times its own update, between the reduce-scatter and the all-gather
+            self.optimizer.step()
+            return
+        with timers.span("optimizer"):
+            self.optimizer.step()
 
     def zero_grad(self) -> None:
         if self.distributed:
@@ -234,7 +242,7 @@ class ParallelEngine:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def agree(self, loss: Tensor, stop_signal: int | None) -> tuple[float, int | None]:
+    def agree(self, loss: Tensor, stop_signal: int | None, step: int = -1) -> tuple[float, int | None]:
         """One all-reduce per step: the job's mean loss (over dp) and whether any rank was signalled.
 
         Every rank then stops after the same step. The loss counts once per dp replica (from its
@@ -246,7 +254,10 @@ class ParallelEngine:
         sig = float(stop_signal or 0)
         buf = torch.stack([loss.to(torch.float64) / self.mesh.dp if counted else loss.new_zeros(()),
                            loss.new_tensor(float(stop_signal is not None)), loss.new_tensor(sig)])
-        dist.all_reduce(buf)
+        if skips("agree", step):  # an injected bug: this rank leaves the others waiting here
+            return loss.item(), stop_signal
+        with timers.comm("all_reduce", "dp", "world"):
+            dist.all_reduce(buf)
         mean, stopped, sigs = buf.tolist()
         if stopped == 0:
             return mean, None
@@ -272,7 +283,8 @@ class ParallelEngine:
         if not counted:
             total.zero_()
         if not self.single:
-            dist.all_reduce(total)
+            with timers.comm("all_reduce", "dp", "world"):
+                dist.all_reduce(total)
         return total.item() / batches
 
     def _pipeline_loss(self, x: Tensor, y: Tensor) -> Tensor | None:

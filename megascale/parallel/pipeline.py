@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megascale.config import ParallelConfig
+from megascale.observe import timers
 from megascale.parallel.pp_comm import BACKWARD_TAG, FORWARD_TAG, P2P
 from megascale.parallel.pp_schedule import SCHEDULES, Op, schedule_ops, simulate, theoretical_bubble
 from megascale.parallel.pp_stage import (
@@ -123,7 +124,8 @@ def pipeline_step(
             else:
                 x = comm.recv(mesh.pp_prev_rank, FORWARD_TAG).requires_grad_()
             with forward_context() if forward_context else nullcontext(), \
-                    dropout(op.microbatch) if dropout else nullcontext():
+                    dropout(op.microbatch) if dropout else nullcontext(), \
+                    timers.span("forward", micro=op.microbatch, chunk=op.chunk):
                 out = stage.forward_chunk(op.chunk, x, targets if vs == last_vs else None)
             if vs == last_vs:
                 loss_sum += out.detach()
@@ -134,14 +136,18 @@ def pipeline_step(
         else:
             x, out = inputs.pop(key), outputs.pop(key)
             if vs == last_vs:
-                out.backward()
+                with timers.span("backward", micro=op.microbatch, chunk=op.chunk):
+                    out.backward()
             else:
                 grad = comm.recv(mesh.pp_next_rank, BACKWARD_TAG)
-                torch.autograd.backward(out, grad.to(out.dtype))
+                with timers.span("backward", micro=op.microbatch, chunk=op.chunk):
+                    torch.autograd.backward(out, grad.to(out.dtype))
             if vs > 0:
                 comm.send(x.grad, mesh.pp_prev_rank, BACKWARD_TAG)
     comm.flush()
     total_s = time.perf_counter() - t0
     if pp > 1:  # every rank reports the step's loss (logging happens on rank 0, the first stage)
-        dist.broadcast(loss_sum, src=mesh.rank_at(mesh.dp_rank, pp - 1, mesh.tp_rank), group=mesh.pp_group)
+        with timers.comm("broadcast", "pp", "pp"):
+            dist.broadcast(loss_sum, src=mesh.rank_at(mesh.dp_rank, pp - 1, mesh.tp_rank),
+                           group=mesh.pp_group)
     return StepResult((loss_sum / m).item(), comm.wait_s, total_s)

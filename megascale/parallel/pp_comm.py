@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
 FORWARD_TAG, BACKWARD_TAG = 0, 1
@@ -32,24 +33,26 @@ class P2P:
 
     def __init__(self, mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.mesh, self.shape, self.dtype, self.device = mesh, shape, dtype, device
-        self.pending: list[tuple[dist.Work, Tensor]] = []  # the tensors stay alive until sent
+        self.pending: list[tuple[dist.Work, Tensor, object]] = []  # the tensors stay alive until sent
         self.wait_s = 0.0
 
     def send(self, tensor: Tensor, dst: int, tag: int) -> None:
         buf = tensor.detach().to(self.dtype).contiguous()
-        self.pending.append((dist.isend(buf, dst=dst, group=self.mesh.pp_group, tag=tag), buf))
+        timed = timers.launch("send", "pp", "pp", peer=dst, tag=tag, nbytes=buf.numel() * buf.element_size())
+        self.pending.append((dist.isend(buf, dst=dst, group=self.mesh.pp_group, tag=tag), buf, timed))
 
     def recv(self, src: int, tag: int) -> Tensor:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         t0 = time.perf_counter()
-        dist.irecv(buf, src=src, group=self.mesh.pp_group, tag=tag).wait()
+        with timers.comm("recv", "pp", "pp", peer=src, tag=tag, nbytes=buf.numel() * buf.element_size()):
+            dist.irecv(buf, src=src, group=self.mesh.pp_group, tag=tag).wait()
         self.wait_s += time.perf_counter() - t0
         return buf
 
     def flush(self) -> None:
         """Wait for every send of the step (their buffers may then be freed)."""
         t0 = time.perf_counter()
-        for work, _ in self.pending:
-            work.wait()
+        for work, _, timed in self.pending:
+            timed.wait(work)
         self.pending.clear()
         self.wait_s += time.perf_counter() - t0

@@ -33,6 +33,7 @@ from megascale.model.block import Block, make_norm, run_block
 from megascale.model.factory import LayerFactory, name_dropout_sites
 from megascale.model.gpt import GPT, IGNORE_INDEX, Embedding, check_model_config
 from megascale.model.rotary import Rotary
+from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.pp_schedule import SCHEDULES
 from megascale.parallel.tp_grads import grad_norm_reducer, sync_partial_grads
@@ -192,7 +193,8 @@ class PipelineStage(nn.Module):
             w = self.tied_weight()
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
-            dist.all_reduce(w.grad, group=self.embedding_group)
+            with timers.comm("all_reduce", "pp", "emb", nbytes=w.grad.numel() * w.grad.element_size()):
+                dist.all_reduce(w.grad, group=self.embedding_group)
 
     def norm_duplicates(self) -> list[Tensor]:
         """Parameters a global grad norm must not count: the head's copy of a tied matrix."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
 
@@ -44,7 +45,8 @@ def sync_partial_grads(model: nn.Module, mesh: Mesh) -> None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=mesh.tp_group)
+    with timers.comm("all_reduce", "tp", "tp", nbytes=flat.numel() * flat.element_size()):
+        dist.all_reduce(flat, group=mesh.tp_group)
     for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(summed)
 
@@ -58,7 +60,8 @@ def lamb_norm_reducer(optimizer: torch.optim.Optimizer, mesh: Mesh) -> Callable[
         adapted = [p for g in optimizer.param_groups if g["adapt"] for p in g["params"] if p.grad is not None]
         split = torch.tensor([is_split(p) for p in adapted], device=sq.device)
         pieces = sq * split
-        dist.all_reduce(pieces, group=mesh.tp_group)
+        with timers.comm("all_reduce", "tp", "tp"):
+            dist.all_reduce(pieces, group=mesh.tp_group)
         return torch.where(split, pieces, sq)
 
     return reduce
@@ -72,7 +75,8 @@ def grad_norm_reducer(params: Iterable[Tensor], mesh: Mesh) -> Callable[[Tensor]
         counted = [is_split(p) or mesh.tp_rank == 0 for p in params if p.grad is not None]
         total = (sq * torch.tensor(counted, device=sq.device)).sum()
         if mesh.mp_group is not None:
-            dist.all_reduce(total, group=mesh.mp_group)
+            with timers.comm("all_reduce", "tp", "mp"):  # the global grad norm
+                dist.all_reduce(total, group=mesh.mp_group)
         return total
 
     return reduce

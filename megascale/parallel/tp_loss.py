@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
 
@@ -35,7 +36,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         maxes = logits.max(dim=-1).values
         if mesh.tp > 1:
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=mesh.tp_group)
+            with timers.comm("all_reduce", "tp", "tp"):
+                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=mesh.tp_group)
         logits -= maxes.unsqueeze(-1)
 
         valid = target != ignore_index
@@ -47,7 +49,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         probs = logits.exp_()  # logits is our own copy: exp in place, kept for the backward
         sums = torch.stack((probs.sum(dim=-1), target_logit))
         if mesh.tp > 1:
-            dist.all_reduce(sums, group=mesh.tp_group)
+            with timers.comm("all_reduce", "tp", "tp"):
+                dist.all_reduce(sums, group=mesh.tp_group)
         sum_exp, target_logit = sums
         probs /= sum_exp.unsqueeze(-1)
 

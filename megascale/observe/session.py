@@ -1,0 +1,136 @@
+"""What the Trainer runs of observability, in one object: timers, clock alignment, stragglers, hangs.
+
+    obs = Observer(cfg, run_dir, mesh, device, log)   # collective when world > 1 (hosts, clocks)
+    obs.begin_step(step)                              # records of this optimizer step carry `step`
+    obs.end_step(step, logger)                        # collective every N steps: clocks, straggler window
+    obs.close()
+
+With `observe.timers = false` nothing is installed: every timers.* call in the parallel code is
+a no-op, and there are no traces, no straggler windows and no in-flight records (so no hang
+diagnosis either); the benchmark `benchmarks/observe_overhead.py` compares the two.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megascale.config import Config
+from megascale.observe import timers
+from megascale.observe.clock import measure_offsets
+from megascale.observe.stragglers import COMPUTE_OPS, StragglerDetector
+from megascale.parallel.mesh import Mesh, group_ranks, mesh_group_kinds
+
+
+def rank_groups(mesh: Mesh) -> dict[str, list[int]]:
+    """The members (global ranks) of every group this rank is in, by kind; "world" first."""
+    out = {"world": list(range(mesh.world_size))}
+    for kind in mesh_group_kinds(mesh.dp, mesh.pp, mesh.tp):
+        out[kind] = next(g for g in group_ranks(mesh.dp, mesh.pp, mesh.tp, kind) if mesh.rank in g)
+    return out
+
+
+class Observer:
+    def __init__(self, cfg: Config, run_dir: str | Path, mesh: Mesh, device: torch.device, log=None):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.ob = cfg.observe
+        self.log = log or (lambda msg: print(f"megascale: {msg}", file=sys.stderr, flush=True))
+        self.multi = mesh.world_size > 1
+        self.recorder: timers.Recorder | None = None
+        self.watchdog = None
+        self.clock_error_ns = 0
+        self._window_start = None
+        if not self.ob.timers:
+            return
+        coords = {"dp": mesh.dp_rank, "pp": mesh.pp_rank, "tp": mesh.tp_rank}
+        shape = {"dp": mesh.dp, "pp": mesh.pp, "tp": mesh.tp}
+        self.recorder = timers.Recorder(Path(run_dir) / "trace", mesh.rank, mesh.world_size, coords,
+                                        rank_groups(mesh), device_type=device.type,
+                                        capacity=self.ob.buffer_records,
+                                        flush_interval_s=self.ob.flush_interval_s, mesh_shape=shape)
+        timers.install(self.recorder)
+        self.hosts = [socket.gethostname()]
+        self.coords = [(0, 0, 0)]
+        if self.multi:
+            every: list = [None] * mesh.world_size
+            dist.all_gather_object(every, (socket.gethostname(), (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank)))
+            self.hosts = [h for h, _ in every]
+            self.coords = [tuple(c) for _, c in every]
+            self.recorder.note(hosts=self.hosts)
+            self.sync_clocks()
+        self.stragglers = StragglerDetector(self.coords, self.hosts, self.ob.straggler_threshold,
+                                            self.ob.straggler_windows)
+
+    # ------------------------------------------------------------------ clocks
+
+    def sync_clocks(self) -> None:
+        """Measure this rank's offset to rank 0's clock (collective) and put it in the trace."""
+        offset, err = measure_offsets(self.recorder.now)
+        self.recorder.clock(offset, err)
+        self.clock_error_ns = err
+
+    # ------------------------------------------------------------------ the step
+
+    def begin_step(self, step: int) -> None:
+        if self.recorder is not None:
+            self.recorder.set_step(step)
+            if self._window_start is None:
+                self._window_start = step
+
+    def end_step(self, step: int, logger) -> list[dict]:
+        """After optimizer step `step` (1-based count done): the periodic collectives. Returns the
+        straggler records found (rank 0; empty elsewhere)."""
+        if self.recorder is None or not self.multi:
+            return []
+        ob, found = self.ob, []
+        if ob.clock_sync_interval and step % ob.clock_sync_interval == 0:
+            self.sync_clocks()
+        if ob.straggler_window and step % ob.straggler_window == 0:
+            found = self._straggler_window(step, logger)
+        return found
+
+    def _straggler_window(self, step: int, logger) -> list[dict]:
+        # the median duration of each op in the window: one preempted instance (a noisy neighbour) does
+        # not move it, a rank that is slow every time does
+        samples, self.recorder.samples = self.recorder.samples, {}
+        mine = torch.tensor([float(np.median(samples[op])) / 1e9 if samples.get(op) else 0.0
+                             for op in COMPUTE_OPS], dtype=torch.float64)
+        first = (self._window_start or 0) + 1
+        self._window_start = step
+        dev = mine.to(self.device)
+        parts = [torch.empty_like(dev) for _ in range(self.mesh.world_size)]
+        with timers.comm("all_gather", "dp", "world"):
+            dist.all_gather(parts, dev)
+        if self.mesh.rank != 0:
+            return []
+        seconds = np.stack([p.cpu().numpy() for p in parts])
+        ranks_recs, found = self.stragglers.update(step, first, seconds)
+        for rec in ranks_recs:
+            logger.log("ranks", rec)
+        for rec in found:
+            logger.log("straggler", rec)
+            self.log(f"straggler: rank {rec['rank']} (host {rec['host']}, dp{rec['dp']} pp{rec['pp']} "
+                     f"tp{rec['tp']}) is {100 * rec['slower_by']:.0f}% slower in {rec['op']} than the "
+                     f"median of its peers ({1e3 * rec['seconds']:.1f} ms vs {1e3 * rec['median_s']:.1f} ms "
+                     f"per op, steps {first}-{step}), {rec['windows']} windows in a row")
+        return found
+
+    def layout_record(self) -> dict:
+        m = self.mesh
+        return {"dp": m.dp, "pp": m.pp, "tp": m.tp, "world": m.world_size,
+                "hosts": getattr(self, "hosts", []), "coords": [list(c) for c in getattr(self, "coords", [])],
+                "clock_error_us": self.clock_error_ns / 1e3}
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self.recorder is not None:
+            timers.install(None)
+            self.recorder.close()
+            self.recorder = None

@@ -1,0 +1,141 @@
+"""Reading the per-rank trace files (`RUN_DIR/trace/rank_NNNNN.jsonl`, written by observe.timers).
+
+    ranks = read_run(run_dir)             # RankTrace per rank, events on rank 0's clock
+    for e in ranks[3].events: e.op, e.stream, e.t0, e.dur, e.blocked, ...
+
+A file is a sequence of segments, one per process that wrote it (a resumed run appends one):
+a header line, clock lines (the measured offset to rank 0 at a moment of this rank's clock)
+and event lines. Each event is moved onto rank 0's clock by the offset interpolated between
+its segment's clock measurements (nearest one outside them), so drift between re-checks is
+corrected too. A line cut short by a crash is skipped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from megascale.observe.timers import FIELDS
+
+
+class Event(NamedTuple):
+    op: str
+    stream: str
+    t0: int  # ns on rank 0's clock (aligned)
+    dur: int  # ns
+    step: int
+    micro: int
+    chunk: int
+    group: str | None
+    seq: int
+    peer: int
+    blocked: int  # ns of the span this rank was waiting
+    nbytes: int
+    tag: int
+
+    @property
+    def t1(self) -> int:
+        return self.t0 + self.dur
+
+
+@dataclass
+class RankTrace:
+    rank: int
+    header: dict  # the newest segment's header
+    events: list[Event] = field(default_factory=list)
+    clocks: list[dict] = field(default_factory=list)  # every clock line (offset_ns, err_ns, mono_ns)
+    notes: list[dict] = field(default_factory=list)
+    dropped: int = 0
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.header.get("coords", {})
+
+    @property
+    def host(self) -> str:
+        return self.header.get("host", "?")
+
+
+def trace_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "trace"
+
+
+def read_rank(path: str | Path, align: bool = True) -> RankTrace:
+    path = Path(path)
+    segments: list[tuple[dict, list[dict], list[list]]] = []
+    notes, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, list):
+            if segments:
+                segments[-1][2].append(obj)
+            continue
+        kind = obj.get("type")
+        if kind == "header":
+            segments.append((obj, [], []))
+        elif kind == "clock" and segments:
+            segments[-1][1].append(obj)
+        elif kind == "note":
+            notes.append(obj)
+        elif kind == "dropped":
+            dropped += int(obj.get("records", 0))
+    if not segments:
+        raise ValueError(f"{path}: not a megascale trace (no header line)")
+    header = segments[-1][0]
+    out = RankTrace(int(header["rank"]), header, notes=notes, dropped=dropped)
+    n = len(FIELDS)
+    for _, clocks, rows in segments:
+        out.clocks.extend(clocks)
+        at = [c["mono_ns"] for c in clocks]
+        offs = [c["offset_ns"] for c in clocks]
+        for r in rows:
+            if len(r) < n:
+                r = [*r, *([-1] * (n - len(r)))]
+            t0 = int(r[2])
+            if align and offs:
+                t0 += _offset_at(at, offs, t0)
+            out.events.append(Event(r[0], r[1], t0, *r[3:n]))
+    out.events.sort(key=lambda e: e.t0)
+    return out
+
+
+def _offset_at(at: list[int], offs: list[int], t: int) -> int:
+    """The offset at local time t: linear between the measurements around it, else the nearest."""
+    i = bisect.bisect_left(at, t)
+    if i == 0:
+        return offs[0]
+    if i == len(at):
+        return offs[-1]
+    a0, a1 = at[i - 1], at[i]
+    w = (t - a0) / (a1 - a0) if a1 > a0 else 0.0
+    return int(offs[i - 1] + w * (offs[i] - offs[i - 1]))
+
+
+def read_run(run_dir: str | Path, align: bool = True) -> dict[int, RankTrace]:
+    """Every rank's trace in `run_dir`, by rank. ValueError if there is none."""
+    files = sorted(trace_dir(run_dir).glob("rank_*.jsonl"))
+    if not files:
+        raise ValueError(f"{trace_dir(run_dir)}: no trace files (rank_NNNNN.jsonl); was observe.timers on?")
+    out = {}
+    for f in files:
+        t = read_rank(f, align)
+        out[t.rank] = t
+    return out
+
+
+def p2p_pairs(ranks: dict[int, RankTrace]) -> list[tuple[Event, Event, int, int]]:
+    """Matched (send, recv, src, dst): the k-th send from src to dst on a tag is the k-th receive."""
+    sends, recvs = {}, {}
+    for r, t in ranks.items():
+        for e in t.events:
+            if e.op == "send" and e.peer >= 0:
+                sends[(r, e.peer, e.tag, e.step, e.seq)] = e
+            elif e.op == "recv" and e.peer >= 0:
+                recvs[(e.peer, r, e.tag, e.step, e.seq)] = e
+    return [(s, recvs[k], k[0], k[1]) for k, s in sends.items() if k in recvs]
