@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONFIG ?= configs/cpu_default.toml
 ARGS ?=
 
-.PHONY: run test lint venv dev clean redis
+.PHONY: run test lint venv dev clean redis chromium
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,14 @@ redis:
 	  $$SUDO apt-get install -y redis-server || \
 	  { $$SUDO apt-get update && $$SUDO apt-get install -y redis-server; }; }
 
-test: $(VENV)/.installed-dev redis
+# The report's test opens the page in headless Chromium (Debian's package), the same way.
+chromium:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
+	  $$SUDO apt-get install -y chromium || \
+	  { $$SUDO apt-get update && $$SUDO apt-get install -y chromium; }; }
+
+test: $(VENV)/.installed-dev redis chromium
 	$(BIN)/ruff check megascale tests benchmarks
 	$(BIN)/python -m pytest $(ARGS)
 

@@ -1,0 +1,387 @@
+"""`megascale report`: the step-time breakdown on events with known answers, the HTML report of a
+synthetic run (every section, self-contained, absent data said in one line), and the page opened
+in headless Chromium: every chart drawn, and a screenshot.
+
+The Chromium test fails (does not skip) when no browser is installed: `make test` installs
+Debian's chromium. Deselect it explicitly with `-k "not browser"`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megascale.errors import UserError
+from megascale.observe import report
+from megascale.observe.breakdown import (
+    CATEGORIES,
+    max_over_ranks,
+    median_step,
+    one_step,
+    overlap,
+    rank_breakdown,
+    step_breakdown,
+    union,
+)
+from megascale.observe.timeline import write_timeline
+from megascale.observe.timers import FIELDS
+from megascale.observe.trace import Event, RankTrace, read_run
+
+MS = 1_000_000  # ns
+BROWSERS = ("chromium", "chromium-headless-shell", "chrome", "google-chrome")
+
+
+def ev(op, stream, t0_ms, dur_ms, step=0, blocked_ms=0.0, peer=-1):
+    return Event(op, stream, int(t0_ms * MS), int(dur_ms * MS), step, -1, -1, None, -1, peer,
+                 int(blocked_ms * MS), 0, -1)
+
+
+# ---------------------------------------------------------------------- breakdown: known answers
+
+
+def test_interval_helpers():
+    assert union([(5, 9), (0, 2), (1, 3), (9, 10), (4, 4)]) == [(0, 3), (5, 10)]
+    assert overlap([(0, 10), (20, 30)], [(5, 25)]) == 10
+    assert overlap([(0, 10)], [(10, 20)]) == 0
+
+
+def one_rank_step(step: int = 0, base: float = 0.0, fwd: float = 20.0) -> list[Event]:
+    """One step of a pipeline-parallel rank with every category, times in ms from `base`:
+
+    data 0-2 | forward 2-(2+fwd) with a tp all-reduce 10-13 nested | recv waits 8 (bubble) |
+    send (async, 0.5 of it waited) | backward with a nested tp wait of 2 | dp reduce-scatter
+    issued inside backward, its 5 ms wait after it | optimizer 10 with clip nested | checkpoint
+    blocked 5 | a 3 ms untimed gap | a background persist that must not stretch the step.
+    """
+    b, f = base, 2 + fwd
+    return [
+        ev("next_batch", "data", b + 0, 2, step),
+        ev("forward", "compute", b + 2, fwd, step),
+        ev("all_reduce", "tp", b + 10, 3, step, blocked_ms=3),
+        ev("recv", "pp", b + f, 8, step, blocked_ms=8, peer=1),
+        ev("send", "pp", b + f + 8, 1, step, blocked_ms=0.5, peer=1),
+        ev("backward", "compute", b + f + 9, 30, step),
+        ev("all_reduce", "tp", b + f + 19, 2, step, blocked_ms=2),
+        ev("reduce_scatter", "dp", b + f + 29, 15, step, blocked_ms=5),  # wait: the 5 ms after backward
+        ev("optimizer", "compute", b + f + 44, 10, step),
+        ev("clip", "compute", b + f + 45, 2, step),  # nested in optimizer: counted once
+        ev("blocked", "checkpoint", b + f + 54, 5, step),
+        ev("persist", "checkpoint", b + f + 62, 500, step),
+        ev("optimizer", "compute", b + f + 62, 0, step),  # the step's last span, after a 3 ms gap
+    ]
+
+
+def test_one_step_categories_add_up_to_the_wall_time():
+    row = one_step(one_rank_step())
+    ms = {k: round(v * 1e3, 6) for k, v in row.items()}
+    # forward 20 - 3 (tp) + backward 30 - 2 (tp) + optimizer 10 (clip inside it)
+    assert ms["compute"] == 55
+    assert ms["exposed_tp"] == 5
+    assert ms["exposed_dp"] == 5
+    assert ms["exposed_pp"] == 0.5
+    assert ms["bubble"] == 8
+    assert ms["data"] == 2
+    assert ms["checkpoint"] == 5
+    assert ms["wall"] == 84  # 0 .. 22+62: the persist (background) is left out
+    assert ms["other"] == pytest.approx(84 - 55 - 5 - 5 - 0.5 - 8 - 2 - 5)
+    assert sum(row[c] for c in CATEGORIES) == pytest.approx(row["wall"])
+
+
+def test_comm_wait_inside_compute_is_not_counted_twice():
+    # An async dp all-gather waited for inside the optimizer span: the wait is exposed dp, not compute.
+    row = one_step([ev("optimizer", "compute", 0, 10), ev("all_gather", "dp", 1, 8, blocked_ms=4)])
+    assert row["compute"] * 1e3 == pytest.approx(6)
+    assert row["exposed_dp"] * 1e3 == pytest.approx(4)
+    assert row["other"] == pytest.approx(0)
+
+
+def test_steps_median_max_and_slowest():
+    fast = [e for s in range(4) for e in one_rank_step(s, base=100 * s)]
+    slow = [e for s in range(4) for e in one_rank_step(s, base=100 * s, fwd=20 + (50 if s == 0 else 6))]
+    per = rank_breakdown(fast)
+    assert sorted(per) == [0, 1, 2, 3]
+    ranks = {r: RankTrace(r, {"rank": r}, events) for r, events in ((0, fast), (1, slow))}
+    bd = step_breakdown(ranks)
+    assert bd["slowest"] == 1 and bd["rank0_id"] == 0
+    assert bd["median"]["slowest"]["compute"] * 1e3 == pytest.approx(61)  # the slow first step is left out
+    assert bd["median"]["rank0"]["compute"] * 1e3 == pytest.approx(55)
+    assert bd["max"][0]["compute"] * 1e3 == pytest.approx(105)
+    assert max_over_ranks(bd["ranks"])[2]["wall"] == bd["ranks"][1][2]["wall"]
+    assert median_step({}) == {**dict.fromkeys(CATEGORIES, 0.0), "wall": 0.0}
+
+
+# ---------------------------------------------------------------------- a synthetic run on disk
+
+DP, PP, TP = 2, 2, 2
+WORLD = DP * PP * TP
+SLOW_RANK = 6  # dp 1, pp 1 (a stage that waits for activations), tp 0
+STEPS = 60
+
+
+def coords_of(rank: int) -> tuple[int, int, int]:
+    """(dp, pp, tp): tp fastest, then pp, then dp."""
+    return rank // (PP * TP), (rank // TP) % PP, rank % TP
+
+
+def write_trace(run_dir: Path, steps: int = 6) -> None:
+    """Trace files in the timers' format: header, clock line, event arrays (offset rank clocks)."""
+    tdir = run_dir / "trace"
+    tdir.mkdir(parents=True)
+    for r in range(WORLD):
+        dp, pp, tp = coords_of(r)
+        offset = 7 * MS * r  # a rank's clock off rank 0's: read_run moves it back
+        header = {"type": "header", "version": 1, "rank": r, "world": WORLD,
+                  "coords": {"dp": dp, "pp": pp, "tp": tp}, "mesh": {"dp": DP, "pp": PP, "tp": TP},
+                  "host": f"node{r // 4}", "fields": list(FIELDS), "clock": "monotonic_ns", "device": "cpu"}
+        lines = [json.dumps(header), json.dumps({"type": "clock", "mono_ns": 0, "offset_ns": offset,
+                                                 "err_ns": 20_000})]
+        for s in range(steps):
+            fwd = 20 + (8 if r == SLOW_RANK else 0) + (30 if s == 0 else 0)
+            for e in one_rank_step(s, base=1000 + 120 * s, fwd=fwd):
+                if pp == 0 and e.op == "recv":
+                    continue  # the first stage waits for no activations
+                row = list(e)
+                row[2] -= offset
+                lines.append(json.dumps(row))
+        lines.append('["forward","compute",12')  # a line cut short by a crash
+        (tdir / f"rank_{r:05d}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def metrics_records(steps: int = STEPS) -> list[dict]:
+    """Every kind of metrics.jsonl record, shaped as the trainer writes them."""
+    recs: list[dict] = [
+        {"kind": "startup", "step": 0, "imports": 1.8, "rendezvous": 0.6, "groups": 0.9,
+         "first_collective": 0.35, "model_init": 2.4, "restore": 0.7, "data": 1.1},
+        {"kind": "peak", "step": 0, "peak_flops": 3.12e14, "source": "probe", "detail": "bf16 GEMM 8192^3",
+         "flops_per_token": 1.15e9, "flops_per_token_published": 1.18e9},
+        {"kind": "layout", "step": 0, "dp": DP, "pp": PP, "tp": TP, "world": WORLD,
+         "hosts": [f"node{r // 4}" for r in range(WORLD)],
+         "coords": [list(coords_of(r)) for r in range(WORLD)]},
+    ]
+    for s in range(1, steps + 1):
+        loss = 4.2 * math.exp(-s / 25) + 1.6 + 0.05 * math.sin(s)
+        tps = 11000 + 600 * math.sin(s / 3) - (4000 if s == 1 else 0)
+        mfu = 0.34 * tps / 11000
+        recs.append({"kind": "train", "step": s, "loss": loss, "lr": 1e-3, "grad_norm": 0.8,
+                     "step_time": 0.37, "tokens_per_s": tps, "mfu": mfu, "mfu_published": mfu * 1.18 / 1.15,
+                     "tokens": 4096 * s, "bubble": 0.11})
+        if s % 20 == 0:
+            recs.append({"kind": "val", "step": s, "loss": loss + 0.1, "ppl": math.exp(loss + 0.1)})
+            recs += ranks_records(s - 19, s)
+            recs.append({"kind": "straggler", "step": s, "rank": SLOW_RANK, "host": "node1",
+                         **dict(zip(("dp", "pp", "tp"), coords_of(SLOW_RANK), strict=True)), "op": "forward",
+                         "slower_by": 0.4, "seconds": 0.56, "median_s": 0.40, "windows": s // 20})
+            if s < steps:
+                recs.append({"kind": "checkpoint", "step": s, "blocked_s": 0.05 + 0.01 * s / 20})
+        if s % 20 == 0:
+            recs.append({"kind": "persist", "step": s, "ok": s != 40, "persist_s": 1.2 + s / 100,
+                         "bytes": 123_000_000, "error": None if s != 40 else "disk full"})
+    return recs
+
+
+def ranks_records(first: int, last: int) -> list[dict]:
+    out = []
+    for op, base in (("forward", 0.4), ("backward", 0.8), ("optimizer", 0.1)):
+        secs = [base * (1.4 if r == SLOW_RANK and op == "forward" else 1 + 0.01 * (r % 3))
+                for r in range(WORLD)]
+        med = sorted(secs)[WORLD // 2]
+        out.append({"kind": "ranks", "step": last, "window": [first, last], "op": op, "seconds": secs,
+                    "relative": [x / med for x in secs]})
+    return out
+
+
+CONFIG_TOML = """[model]
+vocab_size = 50304
+seq_len = 1024
+n_layers = 12
+d_model = 768
+n_heads = 12
+style = "gpt"
+
+[parallel]
+tp = 2
+pp = 2
+dp = 2
+vpp = 1
+schedule = "1f1b"
+
+[train]
+steps = 60
+global_batch = 32
+micro_batch = 4
+dtype = "bf16"
+"""
+
+
+def make_run(run_dir: Path, trace: bool = True) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics_records()))
+    (run_dir / "config.toml").write_text(CONFIG_TOML)
+    if trace:
+        write_trace(run_dir)
+        write_timeline(run_dir)
+    return run_dir
+
+
+# ---------------------------------------------------------------------- the report
+
+
+def test_breakdown_of_trace_files_read_back(tmp_path):
+    run = make_run(tmp_path / "run")
+    bd = step_breakdown(read_run(run))
+    assert bd["slowest"] == SLOW_RANK and bd["steps"] == list(range(6))
+    r0, slow = bd["median"]["rank0"], bd["median"]["slowest"]
+    assert r0["bubble"] == 0 and slow["bubble"] * 1e3 == pytest.approx(8)  # rank 0 is on the first stage
+    assert slow["compute"] * 1e3 == pytest.approx(63)
+    assert r0["compute"] * 1e3 == pytest.approx(55)
+
+
+def static_figures(text: str) -> int:
+    return text.count('class="plotly-graph-div"')
+
+
+def test_report_has_every_section_and_is_self_contained(tmp_path):
+    run = make_run(tmp_path / "run")
+    out = report.write_report(run)
+    assert out == run / "report.html" and not list(run.glob("*.tmp"))
+    text = out.read_text()
+    for s in report.SECTIONS:
+        assert f'<section id="{s}">' in text
+    # loss, throughput, start-up, two breakdown charts, heat map, checkpoints
+    assert static_figures(text) == 7
+    assert 'class="absent"' not in text  # the synthetic run has every kind of data
+    for needle in ("312 TFLOP/s", "measured by a GEMM probe", "tp 2 × pp 2 × dp 2 = 8 ranks",
+                   "124 M parameters", "published convention", "exact model FLOPs",
+                   f"rank {SLOW_RANK} (slowest", "disk full", 'href="timeline.json"', "ui.perfetto.dev",
+                   "node1", "Flagged stragglers"):
+        assert needle in text, needle
+    # Nothing to fetch: no external script or stylesheet, and plotly.js is inlined exactly once.
+    assert not re.search(r"<script[^>]*\bsrc\s*=", text, re.I)
+    assert not re.search(r"<link[^>]*\bhref\s*=\s*[\"']?https?:", text, re.I)
+    assert text.count("window.PlotlyConfig") == 1
+    assert len(text) > 3_000_000  # the bundle itself
+
+
+def test_absent_data_is_said_in_one_line(tmp_path):
+    run = tmp_path / "bare"
+    run.mkdir()
+    train = [r for r in metrics_records(5) if r["kind"] == "train"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train) + '{"kind": "tr')
+    out = report.write_report(run, tmp_path / "elsewhere.html")
+    text = out.read_text()
+    assert out == tmp_path / "elsewhere.html"
+    for s in report.SECTIONS:
+        assert f'<section id="{s}">' in text
+    for needle in ("No validation records", "No start-up record", "No trace files", "No per-rank timing",
+                   "No checkpoint was saved", "no config.toml", "no peak record"):
+        assert needle in text, needle
+    assert static_figures(text) == 2  # loss and throughput
+    assert "window.PlotlyConfig" in text  # the first figure still carries plotly.js
+
+
+def test_heat_map_mesh_without_a_layout_record():
+    rec = ranks_records(1, 20)[0]
+    traced = report.Mesh({r: coords_of(r) for r in range(WORLD)}, {r: f"h{r}" for r in range(WORLD)})
+    z, text, hover, ylab, xlab = report.heatmap_grid(rec, report.mesh_of({}, traced, WORLD))
+    assert ylab == ["dp 0 · pp 0", "dp 0 · pp 1", "dp 1 · pp 0", "dp 1 · pp 1"] and xlab == ["tp 0", "tp 1"]
+    assert z[3][0] == pytest.approx(rec["relative"][SLOW_RANK]) and "h6" in hover[3][0]
+    # Neither a layout record nor trace headers: rows of GRID_ROW ranks, said to be made up.
+    mesh = report.mesh_of({}, None, 12)
+    assert not mesh.named
+    rec12 = {"relative": [1.0] * 11 + [1.5], "seconds": [0.1] * 12}
+    z, text, hover, ylab, xlab = report.heatmap_grid(rec12, mesh)
+    assert ylab == ["ranks 0–7", "ranks 8–15"] and len(xlab) == 8
+    assert z[1][3] == 1.5 and z[1][4] is None and "r11" in text[1][3]
+
+
+def test_no_metrics_is_one_clear_error(tmp_path, capsys):
+    with pytest.raises(UserError, match="no metrics.jsonl"):
+        report.write_report(tmp_path)
+    assert report.main([str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no metrics.jsonl" in err
+
+
+def test_cli_parser(tmp_path, capsys):
+    import argparse
+
+    run = make_run(tmp_path / "run", trace=False)
+    parser = argparse.ArgumentParser()
+    report.add_parser(parser.add_subparsers(dest="verb"))
+    args = parser.parse_args(["report", str(run), "-o", str(tmp_path / "r.html")])
+    assert args.func(args) == 0
+    assert (tmp_path / "r.html").is_file() and str(tmp_path / "r.html") in capsys.readouterr().out
+    assert "No trace files" in (tmp_path / "r.html").read_text()
+
+
+# ---------------------------------------------------------------------- in a real browser
+
+
+def chromium() -> str:
+    for name in BROWSERS:
+        exe = shutil.which(name)
+        if exe:
+            return exe
+    pytest.fail("no Chromium (tried " + ", ".join(BROWSERS) + "): `make test` installs Debian's chromium "
+                "(apt-get install chromium); deselect this test with -k 'not browser'")
+
+
+def headless(exe: str, page: Path, profile: Path, *flags: str) -> subprocess.CompletedProcess:
+    """One headless Chromium run on a local file, its scripts given time to draw the charts.
+
+    --virtual-time-budget lets the page's timers and rendering run to completion before the DOM
+    is dumped or the screenshot taken; --user-data-dir keeps it off any real profile; a container's
+    small /dev/shm would crash it without --disable-dev-shm-usage.
+    """
+    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
+           "--hide-scrollbars", f"--user-data-dir={profile}", "--virtual-time-budget=20000", *flags,
+           page.resolve().as_uri()]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def render_in_browser(page: Path, workdir: Path, png: Path, height: int = 4000) -> str:
+    exe = chromium()
+    dom = headless(exe, page, workdir / "profile-dom", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    shot = headless(exe, page, workdir / "profile-shot", f"--screenshot={png}",
+                    f"--window-size=1400,{height}")
+    assert shot.returncode == 0, shot.stderr[-2000:]
+    return dom.stdout
+
+
+def test_browser_renders_every_chart(tmp_path):
+    run = make_run(tmp_path / "run")
+    page = report.write_report(run)
+    expected = static_figures(page.read_text())
+    png = tmp_path / "report.png"
+    dom = render_in_browser(page, tmp_path, png)
+    # plotly replaces each empty figure div by a plot container holding its SVG layers
+    assert dom.count('class="plot-container plotly"') >= expected
+    chunks = dom.split('id="figure-')[1:]
+    assert len(chunks) == expected
+    for i, chunk in enumerate(chunks):
+        assert 'class="main-svg"' in chunk, f"figure {i} was not drawn"
+        drawn = ('class="js-line"' in chunk or 'class="trace bars"' in chunk and 'class="point"' in chunk
+                 or 'class="hm"' in chunk and "<image" in chunk)
+        assert drawn, f"figure {i} has axes but no lines, bars or heat-map cells"
+    # Loss (train, val) + tokens/s + MFU twice: a line each.
+    assert dom.count('class="js-line"') >= 5
+    # Start-up 1, the two per-step breakdowns and the medians 8 + 8 + 8, checkpoint stalls and persists 2.
+    assert dom.count('class="trace bars"') == 27
+    assert dom.count('class="heatmap-label"') == 3 * WORLD  # every rank's cell labelled, for each op
+    w, h = png_size(png)
+    assert (w, h) == (1400, 4000)
+    assert png.stat().st_size > 100_000  # a blank page of that size compresses to a few kB
