@@ -140,11 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     # Each area owns its verbs; these imports are light (no torch).
     from megascale.checkpoint.cli import register as register_export
     from megascale.data.cli import register as register_data
+    from megascale.observe.cli import register as register_observe
     from megascale.perf.cli import register as register_plan
 
     register_data(sub)
     register_plan(sub)
     register_export(sub)
+    register_observe(sub)
     return parser
 
 

@@ -51,6 +51,7 @@ from megascale.model import GPT
 from megascale.observe import timers
 from megascale.observe.metrics import MetricsLogger
 from megascale.observe.session import Observer
+from megascale.observe.watchdog import enable_flight_recorder
 from megascale.optim import lr_at, set_lr
 from megascale.parallel.engine import ParallelEngine, layout_of
 from megascale.parallel.mesh import Mesh
@@ -85,6 +86,8 @@ class Trainer:
         self.cfg = cfg
         t, m = cfg.train, cfg.model
         self.device = resolve_device(t.device)
+        if cfg.observe.flight_recorder:  # PyTorch's own record of each group's collectives (hang dumps)
+            enable_flight_recorder(cfg.observe.flight_recorder)
         # torchrun / --nproc: join the process group (nothing happens for a single process)
         self.dist = init_distributed(self.device, cfg.distributed)
         self.world_size, self.is_main = self.dist.world_size, self.dist.is_main
@@ -303,6 +306,7 @@ class Trainer:
                             "flops_per_token": self.flops_per_token,
                             "flops_per_token_published": self.flops_per_token_published})
         timers.install(self.observer.recorder)  # this Trainer's, if a process runs several
+        self.observer.watch()
         self._banner(start_step)
         old_handlers = self._install_signal_handlers()
         bar = self._progress_bar(start_step)
@@ -347,6 +351,9 @@ class Trainer:
                 if interrupted:
                     self._log_print(f"stopped by {signal.Signals(self._stopping()).name} after step "
                                     f"{self.step}; checkpoint {path}; run the same command to resume", bar)
+        except Exception as e:
+            self.observer.on_error(e)  # a collective that timed out: dump who waited for what, then fail
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -354,6 +361,7 @@ class Trainer:
             self.loader.close()
             self._restore_signal_handlers(old_handlers)
             self.checkpoints.wait()
+            self.observer.unwatch()
             if self.observer.recorder is not None:
                 self.observer.recorder.flush()  # the trace is complete when fit returns
             if self._lock is not None:

@@ -75,6 +75,11 @@ def test_round_trip_through_toml(tmp_path):
         (["distributed.group_init=fast"], "distributed.group_init", "must be one of"),
         (["distributed.timeout_s=0"], "distributed.timeout_s", "> 0"),
         (["distributed.job_id=a/b"], "distributed.job_id", "'/'"),
+        (["observe.hang_action=reboot"], "observe.hang_action", "must be one of"),
+        (["observe.hang_timeout_s=0"], "observe.hang_timeout_s", "> 0"),
+        (["observe.straggler_threshold=-0.1"], "observe.straggler_threshold", "> 0"),
+        (["observe.straggler_window=-1"], "observe.straggler_window", ">= 0"),
+        (["observe.buffer_records=0"], "observe.buffer_records", "> 0"),
     ],
 )
 def test_errors_name_field_and_reason(overrides, field, reason):

@@ -5,6 +5,10 @@
     obs.end_step(step, logger)                        # collective every N steps: clocks, straggler window
     obs.close()
 
+With more than one rank a watchdog thread heartbeats into the in-flight record and, when one op
+has run for `observe.hang_timeout_s`, writes the rank's stacks and in-flight state and (the lowest
+live rank) the diagnosis of who everyone waits for (observe/watchdog.py, observe/diagnose.py).
+
 With `observe.timers = false` nothing is installed: every timers.* call in the parallel code is
 a no-op, and there are no traces, no straggler windows and no in-flight records (so no hang
 diagnosis either); the benchmark `benchmarks/observe_overhead.py` compares the two.
@@ -24,6 +28,7 @@ from megascale.config import Config
 from megascale.observe import timers
 from megascale.observe.clock import measure_offsets
 from megascale.observe.stragglers import COMPUTE_OPS, StragglerDetector
+from megascale.observe.watchdog import Watchdog
 from megascale.parallel.mesh import Mesh, group_ranks, mesh_group_kinds
 
 
@@ -65,6 +70,23 @@ class Observer:
             self.sync_clocks()
         self.stragglers = StragglerDetector(self.coords, self.hosts, self.ob.straggler_threshold,
                                             self.ob.straggler_windows)
+        self._hang_dir = Path(run_dir) / "trace" / "hang"
+
+    # ------------------------------------------------------------------ the watchdog (fit() holds it)
+
+    def watch(self) -> None:
+        """Start the watchdog: heartbeats, and a dump when one op runs for observe.hang_timeout_s. Only
+        with more than one rank: a hang needs two."""
+        if self.recorder is None or not self.multi or self.watchdog is not None:
+            return
+        self.watchdog = Watchdog(self.recorder.inflight, self._hang_dir, self.mesh.rank,
+                                 self.ob.hang_timeout_s, self.ob.hang_action,
+                                 on_hang=lambda _path: self.recorder.flush(), log=self.log).start()
+
+    def unwatch(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
 
     # ------------------------------------------------------------------ clocks
 
@@ -120,6 +142,15 @@ class Observer:
                      f"per op, steps {first}-{step}), {rec['windows']} windows in a row")
         return found
 
+    def on_error(self, exc: BaseException) -> None:
+        """A collective that timed out (or a peer that died) raises here: write this rank's hang dump
+        (in-flight op, stacks, flight recorder) before the error ends the process."""
+        if self.watchdog is None or not isinstance(exc, (dist.DistError, RuntimeError)):
+            return
+        text = str(exc).lower()
+        if any(w in text for w in ("timed out", "timeout", "connection", "closed", "reset", "abort")):
+            self.watchdog.dump(f"collective failed: {str(exc).splitlines()[0][:300]}")
+
     def layout_record(self) -> dict:
         m = self.mesh
         return {"dp": m.dp, "pp": m.pp, "tp": m.tp, "world": m.world_size,
@@ -127,9 +158,7 @@ class Observer:
                 "clock_error_us": self.clock_error_ns / 1e3}
 
     def close(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog = None
+        self.unwatch()
         if self.recorder is not None:
             timers.install(None)
             self.recorder.close()

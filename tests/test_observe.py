@@ -1,0 +1,296 @@
+"""Always-on timers, the merged timeline with aligned clocks, and straggler detection.
+
+Unit tests drive the Recorder, the trace reader and the detector directly; two jobs go through
+the CLI: an 8-rank dp2 x pp2 x tp2 run whose rank 5 has a clock 30 ms off (the timeline must
+hold every rank and op kind and line matched send/recv pairs up in aligned time), and a 4-rank
+run with one rank made slow (it, and no other, is named a straggler).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megascale.fault import inject
+from megascale.observe import timers
+from megascale.observe.cli import alignment_latencies
+from megascale.observe.inflight import read_record
+from megascale.observe.stragglers import COMPUTE_OPS, StragglerDetector
+from megascale.observe.timeline import build_timeline
+from megascale.observe.trace import p2p_pairs, read_rank, read_run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Work:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def wait(self):
+        time.sleep(self.seconds)
+
+
+def _recorder(tmp_path, rank=0, **kw):
+    groups = {"world": [0, 1], "tp": [0, 1]}
+    return timers.Recorder(tmp_path / "trace", rank, 2, {"dp": 0, "pp": 0, "tp": rank}, groups,
+                           flush_interval_s=kw.pop("flush_interval_s", 60.0), **kw)
+
+
+def test_no_recorder_means_no_ops():
+    timers.install(None)
+    with timers.span("forward"), timers.comm("all_reduce", "tp", "tp"):
+        pass
+    w = _Work(0.0)
+    timers.launch("reduce_scatter", "dp", "dp").wait(w)  # still waits for the work
+    assert timers.current() is None
+
+
+def test_spans_comm_and_async_ops_are_recorded(tmp_path):
+    rec = _recorder(tmp_path)
+    timers.install(rec)
+    try:
+        rec.set_step(3)
+        with timers.span("forward", micro=1, chunk=0):
+            time.sleep(0.002)
+            with timers.comm("all_reduce", "tp", "tp", nbytes=64):
+                time.sleep(0.003)
+        pending = timers.launch("reduce_scatter", "dp", "world", nbytes=128)
+        time.sleep(0.002)  # overlapped: not blocked
+        pending.wait(_Work(0.002))
+        with timers.span("next_batch", "data"):
+            pass
+    finally:
+        timers.install(None)
+        rec.close()
+    t = read_rank(tmp_path / "trace" / "rank_00000.jsonl")
+    by_op = {e.op: e for e in t.events}
+    fwd, ar, rs = by_op["forward"], by_op["all_reduce"], by_op["reduce_scatter"]
+    assert (fwd.step, fwd.micro, fwd.chunk, fwd.stream) == (3, 1, 0, "compute")
+    assert ar.group == "tp" and ar.seq == 1 and ar.blocked == ar.dur and ar.nbytes == 64
+    # the nested all-reduce is the forward's blocked part; its compute is the rest
+    assert fwd.blocked == ar.dur and fwd.t0 <= ar.t0 and ar.t1 <= fwd.t1
+    assert rs.group == "world" and rs.seq == 1 and 0 < rs.blocked < rs.dur
+    assert by_op["next_batch"].stream == "data"
+    assert t.header["coords"] == {"dp": 0, "pp": 0, "tp": 0} and t.header["groups"]["tp"] == [0, 1]
+
+
+def test_inflight_record_shows_the_op_in_progress(tmp_path):
+    rec = _recorder(tmp_path)
+    try:
+        rec.set_step(7)
+        with rec.comm("all_reduce", "tp", "tp"):
+            mid = read_record(tmp_path / "trace" / "inflight", 0)
+        after = read_record(tmp_path / "trace" / "inflight", 0)
+    finally:
+        rec.close()
+    assert mid["current"]["group"] == "tp" and mid["current"]["op"] == "all_reduce" and mid["step"] == 7
+    assert mid["current"]["seq"] == 1 and mid["issued"]["tp"] == 1
+    assert after["current"] is None and after["last"] == {"group": "tp", "op": "all_reduce", "seq": 1}
+
+
+def test_a_full_buffer_drops_the_oldest_and_says_so(tmp_path):
+    rec = _recorder(tmp_path, capacity=10)
+    try:
+        for _ in range(25):
+            with rec.span("forward"):
+                pass
+    finally:
+        rec.close()
+    t = read_rank(rec.path)
+    assert len(t.events) == 10 and t.dropped == 15
+
+
+def test_the_background_writer_flushes_without_being_asked(tmp_path):
+    rec = _recorder(tmp_path, flush_interval_s=0.05)
+    try:
+        with rec.span("forward"):
+            pass
+        deadline = time.time() + 10
+        while time.time() < deadline and not read_rank(rec.path).events:
+            time.sleep(0.05)
+        assert len(read_rank(rec.path).events) == 1
+    finally:
+        rec.close()
+
+
+def test_trace_times_move_onto_rank0s_clock_between_measurements(tmp_path):
+    path = tmp_path / "rank_00001.jsonl"
+    lines = [{"type": "header", "rank": 1, "coords": {}, "groups": {}},
+             {"type": "clock", "mono_ns": 1000, "offset_ns": -100, "err_ns": 5},
+             {"type": "clock", "mono_ns": 3000, "offset_ns": -300, "err_ns": 5}]
+    rows = [["forward", "compute", t, 10, 0, -1, -1, None, -1, -1, 0, 0, -1] for t in (0, 2000, 5000)]
+    path.write_text("".join(json.dumps(x) + "\n" for x in [*lines, *rows]) + '["cut sho')
+    t = read_rank(path)
+    assert [e.t0 for e in t.events] == [-100, 1800, 4700]  # nearest, interpolated, nearest
+    assert [e.t0 for e in read_rank(path, align=False).events] == [0, 2000, 5000]
+
+
+def test_injected_faults_parse(monkeypatch):
+    monkeypatch.setenv("MEGASCALE_INJECT",
+                       "delay@forward:0.02:rank=3,skip@agree:5:rank=2,skew@clock:7:rank=3")
+    assert inject.delays(3) == {"forward": 0.02} and inject.delays(1) == {}
+    assert inject.skew_ns(3) == 7 and inject.skew_ns(2) == 0
+    monkeypatch.setenv("RANK", "2")
+    assert inject.skips("agree", 5) and not inject.skips("agree", 4)
+    monkeypatch.setenv("MEGASCALE_INJECT", "delay@forward")
+    with pytest.raises(ValueError, match="ACTION@POINT:VALUE"):
+        inject.delays(0)
+
+
+# --------------------------------------------------------------------------------------- stragglers
+
+
+def _mesh_coords(dp, pp, tp):
+    return [(r // (pp * tp), (r // tp) % pp, r % tp) for r in range(dp * pp * tp)]
+
+
+def test_a_persistently_slow_rank_is_named_and_no_other():
+    coords = _mesh_coords(2, 2, 2)
+    det = StragglerDetector(coords, ["h"] * 8, threshold=0.1, windows=2)
+    rng = np.random.default_rng(0)
+    found = []
+    for w in range(4):
+        base = np.where(np.array([c[1] for c in coords]) == 0, 0.010, 0.020)[:, None]  # stage 1 is slower
+        seconds = base * (1 + 0.03 * rng.standard_normal((8, len(COMPUTE_OPS))))  # 3% noise
+        seconds[5, 0] *= 1.3  # rank 5's forward: 30% slower
+        if w == 2:
+            seconds[2, 1] *= 1.5  # a one-window blip of rank 2's backward: not persistent
+        ranks, new = det.update(10 * (w + 1), 10 * w + 1, seconds)
+        found += new
+        assert {r["op"] for r in ranks} == set(COMPUTE_OPS)
+    assert [(f["rank"], f["op"]) for f in found] == [(5, "forward")]  # once per streak
+    f = found[0]
+    assert (f["dp"], f["pp"], f["tp"], f["host"]) == (1, 0, 1, "h") and 0.2 < f["slower_by"] < 0.4
+    # the different pipeline stages (10 ms vs 20 ms) are not compared with each other
+    rel = ranks[0]["relative"]
+    assert all(0.85 < v < 1.15 for i, v in enumerate(rel) if i != 5)
+
+
+def test_stages_of_one_rank_have_nobody_to_compare_with():
+    det = StragglerDetector(_mesh_coords(1, 2, 1), ["h", "h"], windows=1)
+    _, found = det.update(1, 1, np.array([[0.01] * 3, [0.05] * 3]))
+    assert found == []
+
+
+# --------------------------------------------------------------------------------------- the jobs
+
+
+def _train(run_dir: Path, nproc: int, extra: list[str], env: dict | None = None, data=None):
+    args = [sys.executable, "-m", "megascale", "train", "--nproc", str(nproc), "--config",
+            "configs/cpu_default.toml", "model.n_layers=4", "model.d_model=32", "model.n_heads=4",
+            "model.seq_len=16", "model.dropout=0.0", "train.global_batch=8", "train.micro_batch=2",
+            "train.eval_interval=0", "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0",
+            "log.peak_flops=1e9", "checkpoint.interval=0", f"train.run_dir={run_dir}", *data, *extra]
+    r = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=400,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    return r
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    import shutil
+
+    d = tmp_path_factory.mktemp("corpus")
+    shutil.copy(ROOT / "data" / "shakespeare" / "sonnets_gut.txt", d / "sonnets_gut.txt")
+    return [f"data.source={json.dumps(str(d))}", f"data.path={json.dumps(str(d / 'ds'))}"]
+
+
+SKEW_NS = 30_000_000
+
+
+@pytest.fixture(scope="module")
+def job3d(tmp_path_factory, data) -> Path:
+    """dp2 x pp2 x tp2 (+ sequence parallel), rank 5's trace clock 30 ms ahead, clocks re-checked every
+    4 steps."""
+    run = tmp_path_factory.mktemp("obs") / "run"
+    _train(run, 8, ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.dp_bucket_size=3000",
+                    "parallel.sequence_parallel=true",
+                    "train.steps=8", "observe.clock_sync_interval=4", "observe.straggler_window=4"],
+           env={"MEGASCALE_INJECT": f"skew@clock:{SKEW_NS}:rank=5"}, data=data)
+    return run
+
+
+def test_timeline_holds_every_rank_and_op_kind(job3d):
+    out = job3d / "tl.json"
+    r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(job3d), "-o", str(out),
+                        "--group-by", "pp"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "p2p check" in r.stdout
+    trace = json.loads(out.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert any(n.startswith("[pp 0] rank 5 ") for n in names)
+    kinds = {(e["cat"], e["name"]) for e in spans}
+    for k in [("compute", "forward"), ("compute", "backward"), ("compute", "optimizer"), ("compute", "clip"),
+              ("data", "next_batch"), ("tp", "all_reduce"), ("tp", "all_gather"), ("dp", "reduce_scatter"),
+              ("tp", "reduce_scatter"), ("dp", "all_gather"), ("dp", "all_reduce"), ("pp", "send"),
+              ("pp", "recv"), ("pp", "broadcast"), ("pp", "all_reduce"), ("checkpoint", "blocked")]:
+        assert k in kinds, k
+    per_rank = {}
+    for e in spans:
+        per_rank.setdefault(e["pid"], set()).add(e["name"])
+    assert all({"forward", "backward", "send", "recv"} <= ops for ops in per_rank.values())
+    flows = [e for e in trace["traceEvents"] if e["ph"] in ("s", "f")]
+    assert flows and len(flows) % 2 == 0
+
+
+def test_matched_send_recv_pairs_line_up_in_aligned_time(job3d):
+    ranks = read_run(job3d)
+    assert all(len(t.clocks) >= 2 for t in ranks.values())  # measured at start and re-checked
+    assert max(t.clocks[-1]["err_ns"] for t in ranks.values()) < 5_000_000
+    pairs = p2p_pairs(ranks)
+    assert len(pairs) >= 8 * 8  # every stage's sends of 8 steps
+    # causality: a message is received only after it was sent, on rank 0's clock, to within the error
+    # bounds the offset measurements give (half their round trip; well under 1 ms here)
+    err = {r: max(c["err_ns"] for c in t.clocks) for r, t in ranks.items()}
+    assert max(err.values()) < 1_000_000
+    assert all(rv.t1 >= s.t0 - err[a] - err[b] for s, rv, a, b in pairs)
+    lat = sorted(alignment_latencies(pairs))
+    assert lat and lat[0] >= -2 * max(err.values()) and lat[len(lat) // 2] < 5_000_000
+    # the same pairs on the raw clocks: rank 5's 30 ms shows as broken causality
+    # (messages from it arrive "before" they were sent), which the alignment removed
+    raw = p2p_pairs(read_run(job3d, align=False))
+    skewed = [rv.t1 - s.t0 for s, rv, src, dst in raw if src == 5]
+    assert skewed and min(skewed) < -SKEW_NS / 2
+
+
+def test_a_slowed_rank_is_named_a_straggler_and_no_other(tmp_path, data):
+    run = tmp_path / "slow"
+    r = _train(run, 4, ["parallel.dp=2", "parallel.tp=2", "train.steps=20", "observe.straggler_window=5",
+                        "observe.straggler_threshold=0.3"],
+               env={"MEGASCALE_INJECT": "delay@forward:0.01:rank=3"}, data=data)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    found = [x for x in recs if x["kind"] == "straggler"]
+    assert found and {x["rank"] for x in found} == {3}, found
+    assert found[0]["op"] == "forward" and found[0]["slower_by"] > 0.3
+    assert (found[0]["dp"], found[0]["pp"], found[0]["tp"]) == (1, 0, 1)
+    assert "straggler: rank 3" in r.stderr
+    windows = [x for x in recs if x["kind"] == "ranks" and x["op"] == "forward"]
+    assert len(windows) == 4 and all(len(w["relative"]) == 4 for w in windows)
+    assert all(max(range(4), key=lambda i: w["relative"][i]) == 3 for w in windows)
+
+
+def test_timers_off_writes_no_trace(tmp_path, data):
+    run = tmp_path / "off"
+    _train(run, 2, ["parallel.dp=2", "train.steps=2", "observe.timers=false"], data=data)
+    assert not (run / "trace").exists()
+
+
+def test_build_timeline_rejects_an_unknown_grouping(job3d):
+    with pytest.raises(ValueError, match="group-by"):
+        build_timeline(read_run(job3d), "host")
+
+
+def test_timeline_of_a_run_without_traces_is_one_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(tmp_path)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "no trace files" in r.stderr and len(r.stderr.strip().splitlines()) == 1
