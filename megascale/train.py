@@ -47,6 +47,7 @@ from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import BatchLoader, build_tokenizer, ensure_dataset, open_splits
 from megascale.distributed.init import agree_on_user_errors, create_mesh, first_collective, init_distributed
 from megascale.errors import UserError
+from megascale.fault.inject import inject
 from megascale.model import GPT
 from megascale.observe import timers
 from megascale.observe.metrics import MetricsLogger
@@ -244,6 +245,7 @@ class Trainer:
         process)."""
         t0 = time.perf_counter()
         cfg, engine = self.cfg, self.engine
+        inject("step", self.step)  # tests: MEGASCALE_INJECT="stop@step:3:rank=5" (a host that hangs)
         self.observer.begin_step(self.step)
         lr = lr_at(self.step, cfg.optim, cfg.train.steps)
         set_lr(self.optimizer, lr)
