@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/observe_overhead.py: timers on vs off, alternating (seconds, tiny model)."""
+"""Smoke test of benchmarks/observe_overhead.py: timers on vs off in alternating blocks (tiny model)."""
 
 import re
 import subprocess
@@ -9,9 +9,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_observe_overhead_benchmark_runs(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/observe_overhead.py", "--rounds", "1", "--steps", "4",
-                        "--layouts", "1,dp2tp2", "model.n_layers=2", "model.d_model=32", "model.n_heads=2",
-                        "model.seq_len=16", "train.global_batch=8", "train.micro_batch=4",
+    r = subprocess.run([sys.executable, "benchmarks/observe_overhead.py", "--rounds", "1", "--block", "1",
+                        "--warmup", "1", "--layouts", "1,dp2tp2", "model.n_layers=2", "model.d_model=32",
+                        "model.n_heads=2", "model.seq_len=16", "train.global_batch=8", "train.micro_batch=4",
                         f"data.path={tmp_path}/ds"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
