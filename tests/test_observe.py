@@ -294,3 +294,15 @@ def test_timeline_of_a_run_without_traces_is_one_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(tmp_path)], capture_output=True,
                        text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 2 and "no trace files" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_report_of_a_real_run(job3d):
+    r = subprocess.run([sys.executable, "-m", "megascale", "report", str(job3d)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    page = (job3d / "report.html").read_text()
+    for title in ("Loss and validation", "Throughput and MFU", "Start-up", "Step-time breakdown",
+                  "Stragglers", "Checkpoint stalls", "Timeline"):
+        assert title in page
+    assert "override" in page  # log.peak_flops=1e9: the peak's source is named
+    assert "published convention" in page and 'src="http' not in page
