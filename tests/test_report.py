@@ -304,7 +304,9 @@ def test_heat_map_mesh_without_a_layout_record():
 def test_no_metrics_is_one_clear_error(tmp_path, capsys):
     with pytest.raises(UserError, match="no metrics.jsonl"):
         report.write_report(tmp_path)
-    assert report.main([str(tmp_path / "nope")]) == 2
+    from megascale.cli import main
+
+    assert main(["report", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no metrics.jsonl" in err
 

@@ -20,7 +20,6 @@ import html
 import json
 import os
 import statistics
-import sys
 import tomllib
 from collections import defaultdict
 from pathlib import Path
@@ -627,18 +626,3 @@ def handler(args: argparse.Namespace) -> int:
     path = write_report(args.run_dir, args.out)
     print(f"report: {path}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="megascale report", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return handler(args)
-    except UserError as e:
-        print(f"megascale report: error: {e}", file=sys.stderr)
-        return e.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
