@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Each area owns its verbs; these imports are light (no torch).
     from megascale.checkpoint.cli import register as register_export
     from megascale.data.cli import register as register_data
+    from megascale.fault.cli import register as register_launch
     from megascale.observe.cli import register as register_observe
     from megascale.perf.cli import register as register_plan
 
@@ -147,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_plan(sub)
     register_export(sub)
     register_observe(sub)
+    register_launch(sub)
     return parser
 
 

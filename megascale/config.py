@@ -178,6 +178,16 @@ class ObserveConfig:
 
 
 @dataclass
+class FaultConfig:
+    # what `megascale launch` (megascale/fault/driver.py) does about faults; a plain run ignores it
+    max_restarts: int = 3  # restarts of the worker group (crash, hang, failed self-check) before giving up
+    heartbeat_interval_s: float = 2.0  # every rank's beat to the launcher's store
+    heartbeat_timeout_s: float = 10.0  # no beat this long: the rank is dead or stopped -> restart
+    hang_timeout_s: float = 0.0  # beats but no new step this long -> restart (0: max(60 s, 20 x median step))
+    max_nan_rollbacks: int = 3  # non-finite loss: roll back to the last snapshot, skip the batch; this often
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -188,6 +198,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, with secrets redacted: this is what config.toml, metrics and checkpoints hold."""
@@ -397,6 +408,17 @@ def validate(cfg: Config) -> None:
     _positive("observe.straggler_windows", ob.straggler_windows)
     _positive("observe.hang_timeout_s", ob.hang_timeout_s)
     _choice("observe.hang_action", ob.hang_action, ("abort", "dump"))
+
+    fc = cfg.fault
+    _positive("fault.max_restarts", fc.max_restarts, allow_zero=True)
+    _positive("fault.heartbeat_interval_s", fc.heartbeat_interval_s)
+    _positive("fault.heartbeat_timeout_s", fc.heartbeat_timeout_s)
+    if fc.heartbeat_timeout_s < 2 * fc.heartbeat_interval_s:
+        raise ConfigError(f"fault.heartbeat_timeout_s: {fc.heartbeat_timeout_s} s is under two heartbeats "
+                          f"(fault.heartbeat_interval_s={fc.heartbeat_interval_s}): one late beat would "
+                          "restart the job")
+    _positive("fault.hang_timeout_s", fc.hang_timeout_s, allow_zero=True)
+    _positive("fault.max_nan_rollbacks", fc.max_nan_rollbacks, allow_zero=True)
 
 
 def validate_layout(cfg: Config) -> None:

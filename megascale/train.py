@@ -152,6 +152,7 @@ class Trainer:
             self._resume(resume)
         # after the resume: a fresh start has archived an earlier run's traces by now
         self.observer = Observer(cfg, self.run_dir, self.mesh, self.device, self._warn)
+        self.heartbeat = self.observer.start_heartbeat(cfg.fault.heartbeat_interval_s)  # under a launcher
 
         self.tokens_per_step = t.global_batch * m.seq_len  # the whole job's, every layout
         self.flops_per_token = flops_per_token(m, training=True)
@@ -343,6 +344,8 @@ class Trainer:
                 for ev in self.checkpoints.events():
                     logger.log("persist", ev)
                 self.observer.end_step(s.step, logger)
+                self.heartbeat.update(step=s.step, loss=s.loss, tokens_per_s=s.tokens_per_s,
+                                      status="training")
                 if self._stopping() is not None:
                     break
             interrupted = self._stopping() is not None
@@ -354,6 +357,7 @@ class Trainer:
                     self._log_print(f"stopped by {signal.Signals(self._stopping()).name} after step "
                                     f"{self.step}; checkpoint {path}; run the same command to resume", bar)
         except Exception as e:
+            self.heartbeat.update(status="failed", last_log=f"{type(e).__name__}: {str(e)[:200]}")
             self.observer.on_error(e)  # a collective that timed out: dump who waited for what, then fail
             raise
         finally:
@@ -384,6 +388,7 @@ class Trainer:
             "interrupted": self._stopping() is not None,
             "stop_signal": self._stopping(),
         }
+        self.heartbeat.update(step=self.step, status="stopped" if result["interrupted"] else "done")
         return result
 
     def _stopping(self) -> int | None:
@@ -445,6 +450,7 @@ class Trainer:
             print(f"megascale: {msg}", file=sys.stderr, flush=True)
 
     def _log_print(self, msg: str, bar=None) -> None:
+        self.heartbeat.log(msg)
         if self.quiet:
             return
         if bar is not None:

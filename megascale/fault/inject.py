@@ -37,8 +37,8 @@ def _parse(spec: str) -> list[tuple[str, str, float, int | None]]:
 
 def _mine(rank: int | None = None):
     spec = os.environ.get("MEGASCALE_INJECT")
-    if not spec:
-        return []
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return []  # a restarted job (megascale launch) runs clean, as after a real fault
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     return [(a, w, v) for a, w, v, only in _parse(spec) if only is None or only == rank]

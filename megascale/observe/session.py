@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import Config
+from megascale.fault.heartbeat import HeartbeatWriter
 from megascale.observe import timers
 from megascale.observe.clock import measure_offsets
 from megascale.observe.stragglers import COMPUTE_OPS, StragglerDetector
@@ -48,6 +49,7 @@ class Observer:
         self.multi = mesh.world_size > 1
         self.recorder: timers.Recorder | None = None
         self.watchdog = None
+        self.heartbeat: HeartbeatWriter | None = None
         self.clock_error_ns = 0
         self._window_start = None
         if not self.ob.timers:
@@ -71,6 +73,13 @@ class Observer:
         self.stragglers = StragglerDetector(self.coords, self.hosts, self.ob.straggler_threshold,
                                             self.ob.straggler_windows)
         self._hang_dir = Path(run_dir) / "trace" / "hang"
+
+    def start_heartbeat(self, interval_s: float) -> HeartbeatWriter:
+        """The beat to the launcher's store (a no-op without a launcher); the Trainer updates it."""
+        rec = self.recorder
+        self.heartbeat = HeartbeatWriter(self.mesh.rank, interval_s,
+                                         bytes_moved=(lambda: rec.bytes_moved) if rec is not None else None)
+        return self.heartbeat
 
     # ------------------------------------------------------------------ the watchdog (fit() holds it)
 
@@ -159,6 +168,8 @@ class Observer:
 
     def close(self) -> None:
         self.unwatch()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.recorder is not None:
             timers.install(None)
             self.recorder.close()

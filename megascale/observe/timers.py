@@ -139,6 +139,7 @@ class _Comm:
         t1 = time.monotonic_ns()
         rec = self.rec
         rec.blocked_total += t1 - self.t0
+        rec.bytes_moved += self.nbytes
         if exc[0] is None:
             rec.inflight.end()
         rec._buf.append((self.op, self.stream, self.t0, t1 - self.t0, rec.step, -1, -1, self.group, self.seq,
@@ -169,6 +170,7 @@ class _Pending:
             rec.inflight.end()
         t1 = time.monotonic_ns()
         rec.blocked_total += t1 - tw
+        rec.bytes_moved += self.nbytes
         rec._buf.append((self.op, self.stream, self.t0, t1 - self.t0, self.step, -1, -1, self.group, self.seq,
                          self.peer, t1 - tw, self.nbytes, self.tag))
         rec._added += 1
@@ -187,6 +189,7 @@ class Recorder:
         # compute time (ns, nested waits taken out) of every compute span since the straggler window began
         self.samples: dict[str, list[int]] = {}
         self.blocked_total = 0  # ns blocked in comm so far: what spans subtract for nested waits
+        self.bytes_moved = 0  # payload bytes of the collectives and sends so far (the heartbeat's)
         self._buf: deque = deque(maxlen=capacity)
         self._cuda: deque = deque()
         self._added = self._written = 0

@@ -1,0 +1,51 @@
+"""`megascale launch`: this host's part of a fault-tolerant job (see fault/driver.py)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+
+from megascale.errors import UserError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "launch", help="run a training job on one or more hosts with automatic restart on faults")
+    p.add_argument("--nnodes", default="1", help="hosts in the job: N, or MIN:MAX (default 1)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="worker processes per host")
+    p.add_argument("--rdzv-endpoint", default="localhost:0",
+                   help="host:port where the hosts meet (the first host's address); every host the same")
+    p.add_argument("--rdzv-id", default="",
+                   help="the job's id, the same on every host (default: from the endpoint and run_dir)")
+    p.add_argument("--local-addr", default=None, help="this host's address as the others reach it")
+    p.add_argument("--max-restarts", type=int, default=None, help="default: fault.max_restarts")
+    p.add_argument("--config", help="TOML config file (default: configs/cpu_default.toml)")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
+    p.set_defaults(func=_cmd_launch)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from megascale.cli import _default_config
+    from megascale.config import check_world_size, load_config
+    from megascale.fault.driver import launch
+
+    if args.config is None:
+        args.config, *extra = _default_config(args.overrides)
+        args.overrides = [*extra, *args.overrides]
+    cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any host starts
+    if not cfg.checkpoint.resume:
+        raise UserError("checkpoint.resume: must stay true under megascale launch (a restart resumes)")
+    max_nodes = int(args.nnodes.partition(":")[2] or args.nnodes.partition(":")[0]) \
+        if args.nnodes.replace(":", "").isdigit() else None
+    if max_nodes is None:
+        raise UserError(f"--nnodes: {args.nnodes!r} is not N or MIN:MAX")
+    if ":" not in args.nnodes:
+        check_world_size(cfg, max_nodes * args.nproc_per_node, "--nnodes x --nproc-per-node")
+    if args.max_restarts is not None:
+        if args.max_restarts < 0:
+            raise UserError(f"--max-restarts: must be >= 0, got {args.max_restarts}")
+        cfg.fault.max_restarts = args.max_restarts
+    run_id = args.rdzv_id or "megascale-" + hashlib.sha1(
+        f"{args.rdzv_endpoint}|{cfg.train.run_dir}".encode()).hexdigest()[:12]
+    return launch(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, run_id,
+                  ["--config", args.config, *args.overrides], cfg.fault, args.local_addr)

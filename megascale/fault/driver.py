@@ -1,0 +1,199 @@
+"""`megascale launch`: the job's driver on each host, torch.distributed.elastic's agent with eyes.
+
+    megascale launch --nnodes 2 --nproc-per-node 4 --rdzv-endpoint host0:29400 --config c.toml ...
+
+Every host runs one agent (`LocalElasticAgent`: rendezvous, worker processes, restarts), the
+same as torchrun; ours adds what torchrun does not see. Each monitor tick it reads its workers'
+heartbeats (`fault/heartbeat.py`) from the job's store and declares the worker group unhealthy,
+so the agent restarts it (from the newest complete state: host memory where every rank still has
+it, else storage), when
+
+* a rank sends no heartbeat for `fault.heartbeat_timeout_s` (dead, SIGSTOP'd, GIL-hung), or
+* a rank keeps beating but its step does not move for the hang timeout
+  (`fault.hang_timeout_s`, or by default max(60 s, 20 x the median step)): a hang;
+
+and, as torchrun does, when a worker exits with an error. A worker that exits 2 (a user error:
+bad config, path, dataset) is not restarted: the same input would fail the same way. The other
+hosts' agents see the restarting host wait in a new rendezvous round and restart theirs, so the
+whole job restarts together. Workers are stopped with SIGKILL: the state worth keeping is in
+the host-memory snapshots and storage, and a stopped or hung process would not act on SIGTERM.
+
+Faults injected with MEGASCALE_INJECT fire in the first attempt only (`fault/inject.py`), so a
+restarted job runs clean, as after a real fault.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+from megascale.config import FaultConfig
+from megascale.errors import UserError
+from megascale.fault.heartbeat import read_heartbeats
+
+_log = logging.getLogger("megascale.launch")
+
+
+def _say(msg: str) -> None:
+    print(f"megascale launch: {msg}", file=sys.stderr, flush=True)
+
+
+def make_agent_class():
+    """The agent class (imported lazily: torch.distributed.elastic is heavy)."""
+    import torch.distributed as dist
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class MegaScaleAgent(LocalElasticAgent):
+        fault: FaultConfig = FaultConfig()
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._store = None
+            self._store_at = None
+            self._progress: dict[int, tuple[int, float]] = {}  # rank -> (step, when it last changed)
+            self._intervals: list[float] = []  # seconds per step seen in the beats (the auto hang timeout)
+            self.events: list[dict] = []
+
+        # ---------------------------------------------------------------- monitoring
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED:
+                codes = {f.exitcode for f in result.failures.values()}
+                if codes == {2} or (2 in codes and all(c == 2 or c < 0 for c in codes)):
+                    self._remaining_restarts = 0  # a user error: restarting cannot help
+                else:
+                    worst = {r: f.exitcode for r, f in result.failures.items()}
+                    self._event("crash", f"worker exit codes {worst}")
+                return result
+            if result.state != WorkerState.HEALTHY:
+                return result
+            why = self._check_beats(worker_group)
+            if why is not None:
+                self._event("hang" if "no new step" in why else "no heartbeat", why)
+                return RunResult(state=WorkerState.UNHEALTHY)
+            return result
+
+        def _client(self, worker_group):
+            at = (worker_group.master_addr, worker_group.master_port)
+            if self._store is None or self._store_at != at:
+                self._store = dist.TCPStore(at[0], at[1], is_master=False,
+                                            timeout=datetime.timedelta(seconds=10))
+                self._store_at = at
+                self._progress.clear()
+            return self._store
+
+        def _check_beats(self, worker_group) -> str | None:
+            try:
+                store = self._client(worker_group)
+            except (RuntimeError, ValueError):
+                return None  # the store is gone: the workers will fail on it and be restarted
+            attempt = worker_group.spec.max_restarts - self._remaining_restarts
+            ranks = [w.global_rank for w in worker_group.workers]
+            beats = read_heartbeats(store, attempt, ranks)
+            now, f = time.time(), self.fault
+            for rank, beat in beats.items():
+                if beat.get("status") in ("done", "stopped", "failed"):
+                    continue
+                age = now - float(beat["t"])
+                if age > f.heartbeat_timeout_s:
+                    return (f"rank {rank} (pid {beat.get('pid')}) sent no heartbeat for {age:.1f} s "
+                            f"(last at step {beat.get('step')}, {beat.get('status')}): dead or stopped")
+                step = int(beat.get("step") or 0)
+                last = self._progress.get(rank)
+                if last is None or step != last[0]:
+                    if last is not None and step > last[0]:
+                        self._intervals.append((now - last[1]) / (step - last[0]))
+                        self._intervals = self._intervals[-200:]
+                    self._progress[rank] = (step, now)
+                    continue
+                limit = self._hang_timeout()
+                if beat.get("status") == "training" and now - last[1] > limit:
+                    return (f"rank {rank} (pid {beat.get('pid')}) beats but has made no new step for "
+                            f"{now - last[1]:.1f} s (stuck after step {step}; hang timeout {limit:.0f} s)")
+            return None
+
+        def _hang_timeout(self) -> float:
+            if self.fault.hang_timeout_s > 0:
+                return self.fault.hang_timeout_s
+            median = statistics.median(self._intervals) if self._intervals else 3.0
+            return max(60.0, 20 * median)
+
+        def _event(self, kind: str, detail: str) -> None:
+            left, most = self._remaining_restarts, self._worker_group.spec.max_restarts
+            self.events.append({"kind": kind, "detail": detail, "t": time.time(), "restarts_left": left})
+            then = (f"restarting the job (restart {most - left + 1} of {most})" if left > 0
+                    else f"no restarts left (fault.max_restarts={most}): the job fails")
+            _say(f"{kind}: {detail}; {then}")
+
+        # ---------------------------------------------------------------- stopping
+
+        def _stop_workers(self, worker_group) -> None:
+            # SIGKILL, not SIGTERM: what must survive is in host memory and storage already, and a
+            # stopped or hung worker would not act on SIGTERM (elastic would wait 30 s for nothing)
+            self._shutdown(signal.SIGKILL, timeout=5)
+
+    return MegaScaleAgent
+
+
+@contextmanager
+def _our_agent(fault: FaultConfig):
+    """elastic_launch builds a LocalElasticAgent by name; for this call it builds ours."""
+    from torch.distributed.launcher import api
+
+    cls = make_agent_class()
+    cls.fault = fault
+    original = api.LocalElasticAgent
+    api.LocalElasticAgent = cls
+    try:
+        yield cls
+    finally:
+        api.LocalElasticAgent = original
+
+
+def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, train_argv: list[str],
+           fault: FaultConfig, local_addr: str | None = None) -> int:
+    """Run `megascale train <train_argv>` as this host's part of the job; the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lo, _, hi = nnodes.partition(":")
+    try:
+        min_nodes, max_nodes = int(lo), int(hi or lo)
+    except ValueError:
+        raise UserError(f"--nnodes: {nnodes!r} is not N or MIN:MAX") from None
+    if not 1 <= min_nodes <= max_nodes:
+        raise UserError(f"--nnodes: need 1 <= MIN <= MAX, got {nnodes!r}")
+    if nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node: must be >= 1, got {nproc_per_node}")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    config = LaunchConfig(
+        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, max_restarts=fault.max_restarts,
+        monitor_interval=1.0, local_addr=local_addr,
+        rdzv_configs={"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10},
+    )
+    logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
+    t0 = time.time()
+    try:
+        with _our_agent(fault):
+            elastic_launch(config, entrypoint=sys.executable)("-m", "megascale", "train", *train_argv)
+    except ChildFailedError as e:
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes <= {2} or (2 in codes and all(c == 2 or c < 0 for c in codes)):
+            return 2
+        _say(f"the job failed after {time.time() - t0:.0f} s:\n{e.format_msg()}")
+        return max(codes) if max(codes) > 0 else 1
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    finally:
+        logging.disable(logging.NOTSET)
+    return 0
