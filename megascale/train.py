@@ -47,7 +47,7 @@ from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import BatchLoader, build_tokenizer, ensure_dataset, open_splits
 from megascale.distributed.init import agree_on_user_errors, create_mesh, first_collective, init_distributed
 from megascale.errors import UserError
-from megascale.fault.inject import inject
+from megascale.fault.inject import fires_once, inject
 from megascale.model import GPT
 from megascale.observe import timers
 from megascale.observe.metrics import MetricsLogger
@@ -161,6 +161,7 @@ class Trainer:
         self.peak = self.peak_info.flops
         self._stop_signal: int | None = None
         self._stop_agreed: int | None = None  # the signal every rank stops for
+        self.rollbacks = 0  # non-finite losses rolled back so far (fault.max_nan_rollbacks)
 
     def _peak_flops(self) -> PeakInfo:
         cfg, t = self.cfg, self.cfg.train
@@ -255,6 +256,8 @@ class Trainer:
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
         local_loss = engine.forward_backward(x, y, self._autocast, self.step)
+        if fires_once("nan", self.step):  # tests: MEGASCALE_INJECT="nan@step:7" (a loss spike to NaN)
+            local_loss = local_loss * float("nan")
         with timers.span("clip"):
             grad_norm = engine.clip_grads(cfg.optim.grad_clip)  # global: the same on every rank
         with timers.span("blocked", "checkpoint"):
@@ -319,6 +322,9 @@ class Trainer:
         try:
             while self.step < end:
                 s = self.train_step()
+                if not math.isfinite(s.loss):  # the job's loss: every rank sees the same and acts alike
+                    self._roll_back(s, logger, bar)
+                    continue
                 if saved_at is not None:  # save() + the wait for its copy before this step's update
                     logger.log("checkpoint", {"step": saved_at, "blocked_s": self.checkpoints.last_blocked_s})
                     saved_at = None
@@ -390,6 +396,33 @@ class Trainer:
         }
         self.heartbeat.update(step=self.step, status="stopped" if result["interrupted"] else "done")
         return result
+
+    def _roll_back(self, s: StepStats, logger, bar) -> None:
+        """A non-finite loss: back to the newest snapshot, past the batches since (the offending window
+        among them: PaLM's remedy for loss spikes), at most fault.max_nan_rollbacks times. Collective."""
+        self.rollbacks += 1
+        limit = self.cfg.fault.max_nan_rollbacks
+        if self.rollbacks > limit:
+            raise UserError(f"train: the loss was not finite at step {s.step} after {limit} rollback(s) "
+                            "(fault.max_nan_rollbacks): the run diverges; lower optim.lr or check the data")
+        self.checkpoints.wait()
+        info = self.checkpoints.restore(self.engine)
+        if info is None:
+            self._log_print(f"step {s.step}: loss {s.loss}; no snapshot to roll back to, going on", bar)
+            return
+        if info.extra.get("loader") is not None:
+            self.loader.load_state_dict(info.extra["loader"])
+        skipped = s.step - info.step  # the batches of steps info.step + 1 .. s.step, the bad one last
+        for _ in range(skipped):
+            self.loader.next_batch()
+        self.step = info.step
+        if info.extra.get("rng") is not None:
+            set_rng_state(info.extra["rng"])
+        logger.log("rollback", {"step": s.step, "loss": str(s.loss), "restored_step": info.step,
+                                "source": info.source, "skipped_batches": skipped,
+                                "rollback": self.rollbacks})
+        self._log_print(f"step {s.step}: loss {s.loss}: rolled back to step {info.step} ({info.source}) and "
+                        f"skipped {skipped} batch(es); rollback {self.rollbacks} of {limit}", bar)
 
     def _stopping(self) -> int | None:
         """The signal to stop for: this process's own, or in a parallel run the one all ranks agreed on

@@ -8,6 +8,7 @@
     MEGASCALE_INJECT="skip@agree:5:rank=2"   rank 2 skips the step-5 loss all-reduce (a bug that
                                              desynchronises the collectives: the job hangs)
     MEGASCALE_INJECT="stop@step:3:rank=5"    rank 5 SIGSTOPs itself at the start of step 3 (a hung host)
+    MEGASCALE_INJECT="nan@step:7"            the loss of step 7 (0-based) becomes NaN, once per process
     MEGASCALE_INJECT="skew@clock:50000000:rank=1"  rank 1's trace clock runs 50 ms ahead (what clock
                                              alignment must undo)
 
@@ -52,8 +53,22 @@ def inject(point: str, step: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif action == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
-            elif action not in ("skip", "delay", "skew"):
+            elif action not in ("skip", "delay", "skew", "nan"):
                 raise ValueError(f"MEGASCALE_INJECT: unknown fault {action!r}")
+
+
+_FIRED: set[tuple[str, int]] = set()
+
+
+def fires_once(action: str, step: int) -> bool:
+    """Whether the fault `action@step:STEP` is due now, once per process (a re-done step after a
+    rollback runs clean)."""
+    if (action, step) in _FIRED:
+        return False
+    due = any(a == action and w == "step" and at == step for a, w, at in _mine())
+    if due:
+        _FIRED.add((action, step))
+    return due
 
 
 def skips(point: str, step: int) -> bool:
