@@ -159,7 +159,12 @@ class DistributedConfig:
     # "global": every rank creates every group with a barrier over all ranks (the naive way, to compare)
     group_init: str = "local"
     eager_init: bool = True  # GPU: bind the device at init, so NCCL builds communicators now and splits them
-    timeout_s: float = 600.0  # store operations and collectives at start-up
+    # Three clocks, for three jobs: start-up (store, rendezvous, process groups, and the waits while
+    # rank 0 prepares the dataset or a checkpoint is restored) may take long on a healthy job; a
+    # collective of training that waits longer than collective_timeout_s fails; a hang is noticed
+    # sooner than either, by observe.hang_timeout_s (watchdog) and fault.* (the driver's heartbeats).
+    timeout_s: float = 600.0  # start-up: store operations and every collective until training begins
+    collective_timeout_s: float = 1800.0  # each collective once training has begun
     job_id: str = ""  # names this job's keys in a shared store; "": the launcher's run id
 
 
@@ -396,6 +401,7 @@ def validate(cfg: Config) -> None:
                           f"got {ds.store!r}")
     _choice("distributed.group_init", ds.group_init, ("local", "global"))
     _positive("distributed.timeout_s", ds.timeout_s)
+    _positive("distributed.collective_timeout_s", ds.collective_timeout_s)
     if "/" in ds.job_id:
         raise ConfigError(f"distributed.job_id: must not contain '/', got {ds.job_id!r}")
 

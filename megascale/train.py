@@ -45,9 +45,15 @@ from megascale.checkpoint import CheckpointManager, RestoreInfo, rng_state, set_
 from megascale.checkpoint.rundir import RunDirLock, archive_previous_run
 from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import BatchLoader, build_tokenizer, ensure_dataset, open_splits
-from megascale.distributed.init import agree_on_user_errors, create_mesh, first_collective, init_distributed
+from megascale.distributed.init import (
+    agree_on_user_errors,
+    create_mesh,
+    first_collective,
+    init_distributed,
+    set_collective_timeout,
+)
 from megascale.errors import UserError
-from megascale.fault.inject import fires_once, inject
+from megascale.fault.inject import delays, fires_once, inject
 from megascale.model import GPT
 from megascale.observe import timers
 from megascale.observe.metrics import MetricsLogger
@@ -112,6 +118,7 @@ class Trainer:
                     f"({self.tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})"
                 )
             if self.is_main:  # rank 0 tokenises a missing dataset; the others wait, then open it
+                time.sleep(delays(self.dist.rank).get("prepare", 0.0))  # tests: a slow tokenisation
                 prefix = ensure_dataset(cfg.data, progress=cfg.log.progress and not self.quiet)
         with agree_on_user_errors(self.dist):
             if prefix is None:
@@ -153,6 +160,8 @@ class Trainer:
         # after the resume: a fresh start has archived an earlier run's traces by now
         self.observer = Observer(cfg, self.run_dir, self.mesh, self.device, self._warn)
         self.heartbeat = self.observer.start_heartbeat(cfg.fault.heartbeat_interval_s)  # under a launcher
+        if self.world_size > 1:  # start-up is over: collectives of training get their own timeout
+            set_collective_timeout(self.mesh, cfg.distributed.collective_timeout_s)
 
         self.tokens_per_step = t.global_batch * m.seq_len  # the whole job's, every layout
         self.flops_per_token = flops_per_token(m, training=True)

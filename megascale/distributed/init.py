@@ -124,6 +124,14 @@ def first_collective(info: DistInfo, mesh, device: torch.device) -> None:
     info.timings["first_collective"] = time.perf_counter() - t0
 
 
+def set_collective_timeout(mesh, seconds: float) -> None:
+    """The timeout of every collective from here on, on the world and each of this rank's mesh groups
+    (start-up ran under distributed.timeout_s; see DistributedConfig)."""
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in (None, *(g for g in mesh.groups() if g is not None)):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def shutdown_distributed() -> None:
     global _STORE
     if dist.is_initialized():

@@ -1,0 +1,49 @@
+"""Start-up and training collectives have separate timeouts (distributed.timeout_s vs
+distributed.collective_timeout_s): rank 0 tokenising for longer than a collective may wait does not
+kill a healthy job, and a training collective stuck past its timeout fails the job soon, with the
+hang dump written first."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16", "train.global_batch=8",
+       "train.micro_batch=2", "train.eval_interval=0", "log.progress=false", "log.tensorboard=false",
+       "log.sample_tokens=0", "log.peak_flops=1e9", "checkpoint.interval=0", "parallel.dp=2",
+       "distributed.timeout_s=120", "distributed.collective_timeout_s=6"]
+
+
+def _job(tmp_path: Path, fault: str, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    d = tmp_path / "corpus"
+    d.mkdir(exist_ok=True)
+    shutil.copy(ROOT / "data" / "shakespeare" / "sonnets_gut.txt", d / "sonnets_gut.txt")
+    data = [f"data.source={json.dumps(str(d))}", f"data.path={json.dumps(str(tmp_path / 'ds'))}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGASCALE_INJECT": fault}
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "megascale", "train", "--nproc", "2", "--config",
+                        "configs/cpu_default.toml", *JOB, *data, f"train.run_dir={tmp_path / 'run'}", *extra],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return r, time.time() - t0
+
+
+def test_a_slow_dataset_preparation_is_not_a_collective_timeout(tmp_path):
+    # rank 0 prepares the dataset 10 s longer than a training collective may wait; rank 1 waits for it
+    r, _ = _job(tmp_path, "delay@prepare:10:rank=0", "train.steps=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_a_stuck_training_collective_fails_at_its_timeout_with_a_dump(tmp_path):
+    r, seconds = _job(tmp_path, "stop@step:2:rank=1", "train.steps=50", "observe.hang_timeout_s=300")
+    assert r.returncode != 0
+    assert seconds < 120  # the 6 s collective timeout, not the 300 s hang timeout nor a 30 min default
+    dump = tmp_path / "run" / "trace" / "hang" / "rank_00000.json"
+    assert dump.exists(), r.stderr[-3000:]
+    rec = json.loads(dump.read_text())
+    assert "collective failed" in rec["reason"] and rec["record"]["current"] is not None
