@@ -53,8 +53,10 @@ def open_store(spec: str, rank: int, world_size: int, timeout: datetime.timedelt
     kind = "libuv" if libuv else "legacy"
     if agent is None:  # no launcher store: rank 0 hosts ours on MASTER_PORT, as torch's env:// does
         try:
+            listen = _loopback_listener(host, port) if rank == 0 else None
             store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False,
-                                  multi_tenant=True, use_libuv=libuv)
+                                  multi_tenant=True, use_libuv=libuv,
+                                  master_listen_fd=listen.fileno() if listen else None)
         except (RuntimeError, ValueError) as e:
             raise UserError(f"distributed.store: cannot open a TCPStore at {host}:{port} "
                             f"({str(e).splitlines()[0]})") from None
@@ -62,8 +64,11 @@ def open_store(spec: str, rank: int, world_size: int, timeout: datetime.timedelt
     # under a launcher: rank 0 hosts a second store on a free port and announces it in the first
     key = f"megascale/{attempt}/{kind}_store"
     if rank == 0:
-        store = dist.TCPStore(_my_address(host), 0, world_size, True, timeout=timeout, wait_for_workers=False,
-                              use_libuv=libuv)
+        address = _my_address(host)
+        listen = _loopback_listener(address, 0)
+        store = dist.TCPStore(address, listen.getsockname()[1] if listen else 0, world_size, True,
+                              timeout=timeout, wait_for_workers=False, use_libuv=libuv,
+                              master_listen_fd=listen.fileno() if listen else None)
         agent.set(key, f"{store.host}:{store.port}")
     else:
         where = agent.get(key).decode()
@@ -78,6 +83,36 @@ def _launcher_store(host: str, port: int, world_size: int, timeout: datetime.tim
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+
+
+_LISTENERS: list[socket.socket] = []  # the bound sockets our stores serve on (kept open with them)
+
+
+def _loopback_listener(host: str, port: int) -> socket.socket | None:
+    """A socket listening on the loopback address only, when `host` is a loopback name or address.
+
+    TCPStore's server, given a host, still listens on every interface: a single-host job would
+    take connections from the whole network. Handing it a socket bound to 127.0.0.1 (or ::1) keeps
+    such a job's store on this machine; a multi-host job's store must listen where the others
+    reach it, and does (the start-up log says where)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    loop = [i for i in infos if i[4][0] in ("127.0.0.1", "::1") or i[4][0].startswith("127.")]
+    if not loop or len(loop) != len(infos):
+        return None
+    family, _, _, _, addr = loop[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr[:2])
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        return None  # the port is taken: TCPStore reports that itself, in its own words
+    _LISTENERS.append(sock)
+    return sock
 
 
 def _my_address(master_addr: str) -> str:
