@@ -1,8 +1,12 @@
-"""A single-host job's TCPStore listens on the loopback address only (not on every interface)."""
+"""A single-host job's TCPStore listens on the loopback address only (not on every interface); job ids
+that are no ids (plain torchrun's "none") are not used; a second job with the same id and attempt on
+a shared Redis is refused."""
 
 import datetime
 import socket
 from pathlib import Path
+
+from _redis import redis_server_fixture  # noqa: F401 - the fixture is found by its name
 
 from megascale.distributed.store import open_store
 
@@ -33,3 +37,29 @@ def test_rank0_store_binds_loopback(monkeypatch):
         assert _listening(port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0 or ::
     finally:
         del store
+
+
+def test_plain_torchrun_run_id_none_is_no_job_id(monkeypatch):
+    from megascale.distributed.store import job_identity
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default rdzv id, the same for every job
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert job_identity()[0] == "10.1.2.3:29500"
+    assert job_identity("mine")[0] == "mine"
+
+
+def test_a_second_job_with_the_same_id_is_refused_on_redis(redis_server, monkeypatch):
+    import uuid
+
+    import pytest
+
+    from megascale.errors import UserError
+
+    job = f"job-{uuid.uuid4().hex[:8]}"
+    spec = redis_server.url
+    first, _ = open_store(spec, 0, 2, datetime.timedelta(seconds=10), job)
+    with pytest.raises(UserError, match=f"job {job!r} attempt 0 already ran on this store"):
+        open_store(spec, 0, 2, datetime.timedelta(seconds=10), job)
+    other, _ = open_store(spec, 0, 2, datetime.timedelta(seconds=10), job + "-b")  # its own id: fine
+    other.set("k", "v")

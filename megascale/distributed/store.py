@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch.distributed as dist
 
@@ -27,10 +28,29 @@ from megascale.errors import UserError
 
 
 def job_identity(job_id: str = "") -> tuple[str, int]:
-    """(job id, attempt): the launcher's run id and restart count, else MASTER_ADDR:MASTER_PORT."""
-    job = job_id or os.environ.get("TORCHELASTIC_RUN_ID") or \
+    """(job id, attempt): distributed.job_id, else the launcher's run id, else MASTER_ADDR:MASTER_PORT;
+    and the launcher's restart count. Plain multi-node torchrun's run id is "none" for every job: that
+    is no id (two such jobs on one Redis would read each other's keys)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id.lower() == "none":
+        run_id = ""
+    job = job_id or run_id or \
         f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '0')}"
     return job, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def claim_job(store: dist.Store, job: str, attempt: int, rank: int) -> None:
+    """Rank 0 marks this attempt of `job` as taken in a store that outlives jobs (Redis); a second job
+    with the same id and attempt is refused with one line instead of reading the first one's keys."""
+    if rank != 0:
+        return
+    token = f"{socket.gethostname()}:{os.getpid()}:{time.time_ns()}"
+    got = store.compare_set("owner", "", token)
+    got = got.decode() if isinstance(got, bytes) else str(got)
+    if got != token:
+        raise UserError(f"distributed.job_id: job {job!r} attempt {attempt} already ran on this store "
+                        f"(owner {got}); give this job its own distributed.job_id, or wait for the old "
+                        "keys to expire")
 
 
 def open_store(spec: str, rank: int, world_size: int, timeout: datetime.timedelta,
@@ -43,6 +63,7 @@ def open_store(spec: str, rank: int, world_size: int, timeout: datetime.timedelt
         from megascale.distributed.redis_store import open_redis_store
 
         store = open_redis_store(spec, job_id=job, attempt=attempt, timeout=timeout)
+        claim_job(store, job, attempt, rank)
         return store, f"redis at {store.address} (prefix {store.prefix})"
 
     host, port = os.environ.get("MASTER_ADDR", "localhost"), int(os.environ.get("MASTER_PORT", "0"))
