@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 CONFIG ?= configs/cpu_default.toml
 ARGS ?=
 
-.PHONY: run test lint venv dev clean redis chromium
+.PHONY: run test lint venv dev clean redis chromium iproute2
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,7 +41,15 @@ chromium:
 	  $$SUDO apt-get install -y chromium || \
 	  { $$SUDO apt-get update && $$SUDO apt-get install -y chromium; }; }
 
-test: $(VENV)/.installed-dev redis chromium
+# The simulated cluster (megascale/fault/netns.py) makes hosts of network namespaces with iproute2's `ip`
+# and shapes links with its `tc`.
+iproute2:
+	@command -v ip >/dev/null && command -v tc >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" -eq 0 ] || echo sudo); export DEBIAN_FRONTEND=noninteractive; \
+	  $$SUDO apt-get install -y iproute2 || \
+	  { $$SUDO apt-get update && $$SUDO apt-get install -y iproute2; }; }
+
+test: $(VENV)/.installed-dev redis chromium iproute2
 	$(BIN)/ruff check megascale tests benchmarks
 	$(BIN)/python -m pytest $(ARGS)
 
