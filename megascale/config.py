@@ -190,6 +190,8 @@ class FaultConfig:
     heartbeat_timeout_s: float = 10.0  # no beat this long: the rank is dead or stopped -> restart
     hang_timeout_s: float = 0.0  # beats but no new step this long -> restart (0: max(60 s, 20 x median step))
     max_nan_rollbacks: int = 3  # non-finite loss: roll back to the last snapshot, skip the batch; this often
+    selfcheck: bool = True  # under megascale launch: every host checks itself before each (re)start
+    selfcheck_min_speed: float = 0.25  # a matmul slower than this x the host's best recorded fails it
 
 
 @dataclass
@@ -425,6 +427,8 @@ def validate(cfg: Config) -> None:
                           "restart the job")
     _positive("fault.hang_timeout_s", fc.hang_timeout_s, allow_zero=True)
     _positive("fault.max_nan_rollbacks", fc.max_nan_rollbacks, allow_zero=True)
+    if not 0.0 <= fc.selfcheck_min_speed <= 1.0:
+        raise ConfigError(f"fault.selfcheck_min_speed: must be in [0, 1], got {fc.selfcheck_min_speed}")
 
 
 def validate_layout(cfg: Config) -> None:

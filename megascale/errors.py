@@ -10,3 +10,10 @@ class UserError(Exception):
     """A mistake in the user's input; the message is shown as is, on one line."""
 
     exit_code = 2
+
+
+class HostCheckError(UserError):
+    """A host failed its self-check (megascale/fault/selfcheck.py): broken hardware, not a bad input, but
+    like a bad input a restart on the same host cannot help. `megascale launch` does not restart it."""
+
+    exit_code = 4

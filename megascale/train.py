@@ -54,6 +54,7 @@ from megascale.distributed.init import (
 )
 from megascale.errors import UserError
 from megascale.fault.inject import delays, fires_once, inject
+from megascale.fault.selfcheck import host_selfcheck, under_launcher
 from megascale.model import GPT
 from megascale.observe import timers
 from megascale.observe.metrics import MetricsLogger
@@ -139,6 +140,8 @@ class Trainer:
         if self.world_size > 1:
             self.mesh = create_mesh(self.dist, cfg.parallel, cfg.distributed)
             first_collective(self.dist, self.mesh, self.device)
+            if cfg.fault.selfcheck and under_launcher():
+                host_selfcheck(self.device, cfg.fault.selfcheck_min_speed, self._warn)
         else:
             self.mesh = Mesh(1, 1, 1, 0)
         self.engine = ParallelEngine(cfg, self.mesh, self.device, self.model_dtype, init)

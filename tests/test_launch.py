@@ -28,7 +28,8 @@ JOB = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len
        "train.global_batch=8", "train.micro_batch=2", "train.steps=14", "train.eval_interval=0",
        "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0", "log.peak_flops=1e9",
        "checkpoint.interval=0", "checkpoint.memory_interval=2", "parallel.dp=2", "train.dtype=fp64",
-       "fault.heartbeat_interval_s=1", "fault.heartbeat_timeout_s=5", "fault.hang_timeout_s=10"]
+       "fault.heartbeat_interval_s=1", "fault.heartbeat_timeout_s=5", "fault.hang_timeout_s=10",
+       "fault.selfcheck_min_speed=0"]  # correctness checks only: this machine is shared, its speed varies
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +109,10 @@ def test_launch_checks_its_own_arguments(tmp_path, data):
                         f"train.run_dir={tmp_path}/run"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "checkpoint.resume" in r.stderr, r.stderr
+
+
+def test_a_host_that_fails_its_self_check_is_not_restarted(tmp_path, data):
+    r, _ = launch(tmp_path / "run", data, "fail@selfcheck:2:rank=1")  # rank 1's memory test fails
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert "self-check failed: memory: injected" in r.stderr, r.stderr[-3000:]
+    assert "not restarting on it" in r.stderr and "restarting the job" not in r.stderr

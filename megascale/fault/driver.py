@@ -13,7 +13,8 @@ it, else storage), when
   (`fault.hang_timeout_s`, or by default max(60 s, 20 x the median step)): a hang;
 
 and, as torchrun does, when a worker exits with an error. A worker that exits 2 (a user error:
-bad config, path, dataset) is not restarted: the same input would fail the same way. The other
+bad config, path, dataset) or 4 (its host failed the self-check that every (re)start begins
+with, fault/selfcheck.py) is not restarted: the same input, or the same host, fails the same way. The other
 hosts' agents see the restarting host wait in a new rendezvous round and restart theirs, so the
 whole job restarts together. Workers are stopped with SIGKILL: the state worth keeping is in
 the host-memory snapshots and storage, and a stopped or hung process would not act on SIGTERM.
@@ -44,6 +45,12 @@ def _say(msg: str) -> None:
     print(f"megascale launch: {msg}", file=sys.stderr, flush=True)
 
 
+def _final(codes: set[int], code: int) -> bool:
+    """Whether the workers stopped on an error that a restart cannot fix: every worker exited `code`, or
+    some did and the agent killed the rest (negative codes)."""
+    return code in codes and all(c == code or c < 0 for c in codes)
+
+
 def make_agent_class():
     """The agent class (imported lazily: torch.distributed.elastic is heavy)."""
     import torch.distributed as dist
@@ -67,7 +74,11 @@ def make_agent_class():
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
                 codes = {f.exitcode for f in result.failures.values()}
-                if codes == {2} or (2 in codes and all(c == 2 or c < 0 for c in codes)):
+                if _final(codes, 4):
+                    self._remaining_restarts = 0
+                    _say("a host failed its self-check (its line is above): not restarting on it; "
+                         "replace the host (or take it out of the job) and launch again")
+                elif _final(codes, 2):
                     self._remaining_restarts = 0  # a user error: restarting cannot help
                 else:
                     worst = {r: f.exitcode for r, f in result.failures.items()}
@@ -188,8 +199,9 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
             elastic_launch(config, entrypoint=sys.executable)("-m", "megascale", "train", *train_argv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if codes <= {2} or (2 in codes and all(c == 2 or c < 0 for c in codes)):
-            return 2
+        for final in (4, 2):  # the workers said why (a failed self-check, a user error)
+            if _final(codes, final):
+                return final
         _say(f"the job failed after {time.time() - t0:.0f} s:\n{e.format_msg()}")
         return max(codes) if max(codes) > 0 else 1
     except SignalException as e:

@@ -622,3 +622,37 @@ def hosts_main(argv: list[str] | None = None) -> int:
     finally:
         if joined:
             dist.destroy_process_group()
+
+
+def under_launcher() -> bool:
+    """Whether an elastic agent (megascale launch, torchrun) started this process."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def host_selfcheck(device, min_fraction: float, warn) -> SelfCheckReport:
+    """The Trainer's check before each (re)start of a launched job (collective over the world): every
+    rank checks itself, its host's ranks all-reduce among themselves, the world passes a p2p ring.
+    Any failure on any rank raises HostCheckError on every rank, naming the hosts and checks (exit 4:
+    the driver does not restart a job on a broken host)."""
+    from megascale.errors import HostCheckError
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    host_group, host_ranks = None, None
+    if local > 1 and world % local == 0:
+        for h in range(world // local):  # every rank makes every host's group, in order
+            ranks = list(range(h * local, (h + 1) * local))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                host_group, host_ranks = g, ranks
+    report = run_selfcheck(device, host_group=host_group, host_ranks=host_ranks, ring_group=dist.group.WORLD,
+                           min_fraction=min_fraction)
+    every: list = [None] * world
+    dist.all_gather_object(every, (report.ok, report.line()))
+    failed = [line for ok, line in every if not ok]
+    if failed:
+        more = f" (and {len(failed) - 8} more)" if len(failed) > 8 else ""
+        raise HostCheckError("; ".join(failed[:8]) + more)
+    if rank == 0:
+        warn(f"self-check passed on {world} ranks ({report.line().split(': ', 1)[-1]} on rank 0)")
+    return report
