@@ -92,8 +92,10 @@ def make_agent_class():
                 return RunResult(state=WorkerState.UNHEALTHY)
             return result
 
-        def _client(self, worker_group):
-            at = (worker_group.master_addr, worker_group.master_port)
+        def _client(self, worker_group, attempt: int):
+            # a new client for each attempt: a restart may serve the same address from a new store server,
+            # and a client of the old one would only read errors (which read as "no news")
+            at = (worker_group.master_addr, worker_group.master_port, attempt)
             if self._store is None or self._store_at != at:
                 self._store = dist.TCPStore(at[0], at[1], is_master=False,
                                             timeout=datetime.timedelta(seconds=10))
@@ -102,13 +104,16 @@ def make_agent_class():
             return self._store
 
         def _check_beats(self, worker_group) -> str | None:
+            attempt = worker_group.spec.max_restarts - self._remaining_restarts
             try:
-                store = self._client(worker_group)
+                store = self._client(worker_group, attempt)
             except (RuntimeError, ValueError):
                 return None  # the store is gone: the workers will fail on it and be restarted
-            attempt = worker_group.spec.max_restarts - self._remaining_restarts
             ranks = [w.global_rank for w in worker_group.workers]
             beats = read_heartbeats(store, attempt, ranks)
+            if beats is None:  # the client broke: reconnect at the next tick
+                self._store = None
+                return None
             now, f = time.time(), self.fault
             for rank, beat in beats.items():
                 if beat.get("status") in ("done", "stopped", "failed"):

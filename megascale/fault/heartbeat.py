@@ -93,8 +93,8 @@ class HeartbeatWriter:
         self._thread = None
 
 
-def read_heartbeats(store, attempt: int, ranks: list[int]) -> dict[int, dict]:
-    """The newest beat of each of `ranks` that has one (non-blocking)."""
+def read_heartbeats(store, attempt: int, ranks: list[int]) -> dict[int, dict] | None:
+    """The newest beat of each of `ranks` that has one (non-blocking); None when the store failed."""
     keys = [heartbeat_key(attempt, r) for r in ranks]
     out = {}
     try:
@@ -104,6 +104,6 @@ def read_heartbeats(store, attempt: int, ranks: list[int]) -> dict[int, dict]:
         for v in store.multi_get(present):
             rec = json.loads(v)
             out[int(rec["rank"])] = rec
-    except Exception:  # noqa: BLE001 - a store hiccup reads as no news this time
-        return out
+    except Exception:  # noqa: BLE001 - a store hiccup: the caller reconnects
+        return None
     return out

@@ -1,0 +1,19 @@
+"""Smoke test of benchmarks/soak.py: a short launched job, one crash and one hang, both recovered."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_soak_benchmark_runs(tmp_path):
+    r = subprocess.run([sys.executable, "benchmarks/soak.py", "--minutes", "0.6", "--first", "10", "--gap",
+                        "13:13", "--kinds", "kill,stop", "--cycle", "model.n_layers=1", "model.d_model=32",
+                        "model.n_heads=2", "model.seq_len=32", f"data.path={tmp_path}/ds"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    faults = re.findall(r"fault at .*: (kill|stop) of rank \d: detected in [\d.]+ s", r.stdout)
+    assert faults[:2] == ["kill", "stop"], r.stdout
+    assert re.search(r"run: \d+ s wall, \d+ steps that count .* ETTR [\d.]+%", r.stdout), r.stdout
