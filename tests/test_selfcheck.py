@@ -280,3 +280,23 @@ def test_hosts_main_injected_rank_fails_alone(pools, cache):
     lines = results[0][1].splitlines()
     assert lines[1].endswith(" rank 1: self-check failed: p2p: injected")
     assert ": self-check passed: " in lines[0] and ": self-check passed: " in lines[2]
+
+
+def test_megascale_diagnose_hosts_runs_the_self_check(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "MEGASCALE_CACHE": str(tmp_path), "HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "megascale", "diagnose", "--hosts", "--min-fraction", "0"],
+                       cwd=root, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "self-check passed: matmul" in r.stdout
+    env["MEGASCALE_INJECT"] = "fail@selfcheck:2"
+    r = subprocess.run([sys.executable, "-m", "megascale", "diagnose", "--hosts"], cwd=root,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1 and "memory: injected" in r.stdout, (r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "megascale", "diagnose"], cwd=root, capture_output=True,
+                       text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "--hosts" in r.stderr

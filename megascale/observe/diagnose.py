@@ -642,7 +642,12 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "and the watchdog's dumps in RUN_DIR/trace/hang, build the wait-for graph over the mesh "
                     "and name the rank(s) everyone is blocked on and the op they last completed.",
     )
-    p.add_argument("run", metavar="RUN_DIR", help="the run directory (or its trace directory)")
+    p.add_argument("run", metavar="RUN_DIR", nargs="?", help="the run directory (or its trace directory)")
+    p.add_argument("--hosts", action="store_true",
+                   help="instead: self-check this host (under torchrun or megascale launch: every rank, with "
+                        "the all-reduce and p2p checks); exit 1 if any check fails")
+    p.add_argument("--min-fraction", type=float, default=0.5,
+                   help="with --hosts: fail a matmul slower than this x the best rate recorded here")
     p.add_argument("--stale-s", type=float, default=5.0,
                    help="a heartbeat older than this means the rank is not responding (default 5)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -654,6 +659,12 @@ add_parser = register
 
 
 def handler(args: argparse.Namespace) -> int:
+    if args.hosts:
+        from megascale.fault.selfcheck import hosts_main
+
+        return hosts_main(["--min-fraction", str(args.min_fraction), *(["--json"] if args.json else [])])
+    if args.run is None:
+        raise UserError("diagnose: give a RUN_DIR (a hung job's run directory), or --hosts to self-check")
     d = diagnose(args.run, stale_s=args.stale_s)
     if args.json:
         print(json.dumps(d.to_dict(), indent=1))
