@@ -68,7 +68,10 @@ def _hang(run_dir: Path, data: list[str], fault: str) -> tuple[float, str, dict,
                                  cwd=ROOT, capture_output=True, text=True, timeout=60)
         return detected, out.stdout, json.loads(as_json.stdout), verdict.read_text()
     finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the stopped rank too: SIGKILL needs no SIGCONT
+        try:
+            os.killpg(job.pid, signal.SIGKILL)  # the stopped rank too: SIGKILL needs no SIGCONT
+        except ProcessLookupError:
+            pass  # the job ended by itself (its failure is asserted above)
         job.wait(timeout=30)
 
 

@@ -300,3 +300,18 @@ def test_megascale_diagnose_hosts_runs_the_self_check(tmp_path):
     r = subprocess.run([sys.executable, "-m", "megascale", "diagnose"], cwd=root, capture_output=True,
                        text=True, timeout=120, env=env)
     assert r.returncode == 2 and "--hosts" in r.stderr
+
+
+def test_the_speed_expected_of_a_rank_is_its_share_of_the_cores(monkeypatch):
+    import os
+
+    import torch
+
+    from megascale.fault import selfcheck
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert selfcheck.cpu_share() == 0.25  # 8 ranks of 1 thread on 2 cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert selfcheck.cpu_share() == 1.0

@@ -197,6 +197,7 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
         monitor_interval=1.0, local_addr=local_addr,
         rdzv_configs={"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10},
     )
+    os.environ["MEGASCALE_LAUNCH"] = "1"  # the workers' cue: self-check before training (fault.selfcheck)
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     t0 = time.time()
     try:

@@ -260,6 +260,8 @@ def check_matmul(device="cpu", dtype: torch.dtype = torch.float32, n: int = 512,
     name = _dtype_name(dtype, device)
     key = _rate_key(device, name, n)
     expected_rate = hardware._read_cache().get(key)  # before this run's figure is added
+    if expected_rate and device.type == "cpu":
+        expected_rate *= cpu_share()  # the best was one process's; this host's ranks share its cores
     ok, detail = _speed_verdict(rate, expected_rate, min_fraction)
     if wrong:
         ok, detail = False, wrong
@@ -624,9 +626,19 @@ def hosts_main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+def cpu_share() -> float:
+    """The fraction of the cores one rank can have: the host's ranks (LOCAL_WORLD_SIZE) times each one's
+    threads over the cores. A recorded best is one process's with its threads to itself; N ranks on a
+    host of fewer cores each get a part, and a check that ignored it would fail every healthy host."""
+    want = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) * torch.get_num_threads()
+    return min(1.0, (os.cpu_count() or 1) / max(1, want))
+
+
 def under_launcher() -> bool:
-    """Whether an elastic agent (megascale launch, torchrun) started this process."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    """Whether `megascale launch` started this process (the self-check is its business; a plain torchrun
+    or `megascale train --nproc` job does not run it)."""
+    env = os.environ
+    return env.get("MEGASCALE_LAUNCH") == "1" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def host_selfcheck(device, min_fraction: float, warn) -> SelfCheckReport:
