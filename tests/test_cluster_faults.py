@@ -1,9 +1,9 @@
 """The fault matrix on a simulated cluster: 2 hosts (network namespaces) x 2 ranks, one agent each.
 
 A dp2 x tp2 job of 14 steps (float64, snapshots in host memory every 2 steps) runs fault-free, then
-with a worker on host 1 killed by SIGKILL: the agents on both hosts restart the job, which resumes
-from host memory with no person involved and ends with the fault-free run's final weights, bit for
-bit. (A whole host killed and started again does not rejoin yet: see the closing note of issue 11.)
+with a worker on host 1 killed by SIGKILL, then with all of host 1 (agent and workers) killed and
+started again, as a cluster manager restarts a failed pod. Each faulty run recovers with no person
+involved and ends with the fault-free run's final weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -89,4 +89,29 @@ def test_a_worker_killed_on_another_host_is_recovered_exactly(request, tmp_path,
     logs = _logs(run)
     assert codes == [0, 0], logs[-4000:]
     assert re.search(r"crash: worker exit codes .*-9", logs) and "restart 1 of 3" in logs, logs[-4000:]
+    _equal(run, reference)
+
+
+def test_a_dead_host_brought_back_rejoins_and_the_job_ends_exactly(request, tmp_path, data, reference):
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    # the first attempt is slowed (0.3 s per forward, ~0.6 s a step) so the machine surely goes mid-run:
+    # a fast CI machine once finished all 14 steps before the kill, and nothing was left to recover
+    slow = "delay@forward:0.3"
+    agents = [_agent(cluster, h, run, data, slow, job="host") for h in (0, 1)]
+    metrics = run / "metrics.jsonl"
+    deadline, steps = time.time() + 240, 0
+    while time.time() < deadline and steps < 5:  # let it train a few steps, then the machine goes
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        steps = sum('"kind": "train"' in x for x in lines)
+        time.sleep(0.2)
+    cluster.kill_host(1)  # agent and workers: the whole host
+    assert 5 <= steps < 14, f"the kill must land mid-run (after {steps} of 14 steps)"
+    agents[1].wait(timeout=30)
+    time.sleep(5)
+    agents[1] = _agent(cluster, 1, run, data, job="host")  # the cluster manager starts it again
+    codes = _wait(agents)
+    logs = _logs(run)
+    assert codes == [0, 0], logs[-4000:]
+    assert "restart 1 of 3" in logs, logs[-4000:]
     _equal(run, reference)

@@ -191,11 +191,19 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
     if nproc_per_node < 1:
         raise UserError(f"--nproc-per-node: must be >= 1, got {nproc_per_node}")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    rdzv = {"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10}
+    if max_nodes > 1:
+        # Elastic shares the rendezvous TCPStore with the workers and publishes its address once, in the
+        # first round: a host that joins a later round (a machine restarted after a crash) then waits
+        # for keys that the round's rank 0 never writes again, and the job deadlocks. Per-round stores
+        # fix it; and a dead host leaves the rendezvous after 3 missed 1 s keep-alives, not 15 s.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+        rdzv |= {"keep_alive_interval": 1, "keep_alive_max_attempt": 3}
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, max_restarts=fault.max_restarts,
         monitor_interval=1.0, local_addr=local_addr,
-        rdzv_configs={"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10},
+        rdzv_configs=rdzv,
     )
     os.environ["MEGASCALE_LAUNCH"] = "1"  # the workers' cue: self-check before training (fault.selfcheck)
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
