@@ -65,7 +65,9 @@ class ModelConfig:
 class ParallelConfig:
     tp: int = 1  # tensor parallel size (ranks adjacent, one machine)
     pp: int = 1  # pipeline parallel size
-    dp: int = 1  # data parallel size
+    # data parallel size; 0: whatever the world leaves, world / (tp * pp), fixed when the job starts
+    # (a `megascale launch --nnodes MIN:MAX` job that shrinks when a host is evicted)
+    dp: int = 1
     vpp: int = 1  # virtual pipeline stages per rank (interleaved 1F1B)
     sequence_parallel: bool = False
     # pipeline schedule: "auto" (1f1b, or interleaved when vpp > 1), "1f1b", "interleaved", "afab"
@@ -372,14 +374,15 @@ def validate(cfg: Config) -> None:
     for name in ("eval_interval", "eval_batches", "log_interval"):
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
     per_step = t.micro_batch * p.dp
-    if t.global_batch % per_step:
+    if p.dp and t.global_batch % per_step:
         raise ConfigError(
             f"train.global_batch: {t.global_batch} sequences do not split into micro-batches of "
             f"train.micro_batch={t.micro_batch} x parallel.dp={p.dp}"
         )
 
-    for name in ("tp", "pp", "dp", "vpp", "dp_bucket_size"):
+    for name in ("tp", "pp", "vpp", "dp_bucket_size"):
         _positive(f"parallel.{name}", getattr(p, name))
+    _positive("parallel.dp", p.dp, allow_zero=True)  # 0: from the world, at start (check_world_size)
     _choice("parallel.schedule", p.schedule, ("auto", "1f1b", "interleaved", "afab"))
     validate_layout(cfg)
 
@@ -461,7 +464,7 @@ def validate_layout(cfg: Config) -> None:
     if m.n_layers < p.pp * p.vpp:
         raise ConfigError(f"model.n_layers: {m.n_layers} layers do not fill parallel.pp * parallel.vpp = "
                           f"{p.pp * p.vpp} virtual stages (each needs at least one layer)")
-    if p.pp > 1 and t.global_batch % (t.micro_batch * p.dp) == 0:
+    if p.pp > 1 and p.dp and t.global_batch % (t.micro_batch * p.dp) == 0:
         micro = t.global_batch // (t.micro_batch * p.dp)
         what = (f"{micro} micro-batches per step (train.global_batch={t.global_batch} / (train.micro_batch="
                 f"{t.micro_batch} x parallel.dp={p.dp}))")
@@ -476,8 +479,18 @@ def validate_layout(cfg: Config) -> None:
 
 
 def check_world_size(cfg: Config, processes: int, source: str) -> None:
-    """The layout's tp * pp * dp must equal the number of processes (`source` names where it comes from)."""
+    """The layout's tp * pp * dp must equal the number of processes (`source` names where it comes from).
+
+    `parallel.dp = 0` takes its value here, world / (tp * pp), and the config is validated again with it.
+    """
     p = cfg.parallel
+    if p.dp == 0:
+        if processes % (p.tp * p.pp):
+            raise ConfigError(f"parallel.dp = 0 (from the world): {source} = {processes} is not a "
+                              f"multiple of parallel.tp * parallel.pp = {p.tp} * {p.pp}")
+        p.dp = processes // (p.tp * p.pp)
+        validate(cfg)
+        return
     if p.world_size == processes:
         return
     hint = ""

@@ -17,3 +17,11 @@ class HostCheckError(UserError):
     like a bad input a restart on the same host cannot help. `megascale launch` does not restart it."""
 
     exit_code = 4
+
+
+class PeerHostEvicted(UserError):
+    """Another host of the job failed its self-check and leaves it (its ranks exit 4). This host is fine:
+    `megascale launch` restarts it, in a new rendezvous round with a spare host in the evicted one's
+    place, or with fewer hosts when `--nnodes MIN:MAX` and `parallel.dp = 0` allow it."""
+
+    exit_code = 5

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -52,8 +53,9 @@ from megascale.distributed.init import (
     init_distributed,
     set_collective_timeout,
 )
-from megascale.errors import UserError
-from megascale.fault.inject import delays, fires_once, inject
+from megascale.errors import HostCheckError, UserError
+from megascale.fault import blocklist
+from megascale.fault.inject import delays, fires_once, host_id, inject
 from megascale.fault.selfcheck import host_selfcheck, under_launcher
 from megascale.model import GPT
 from megascale.observe import timers
@@ -141,7 +143,7 @@ class Trainer:
             self.mesh = create_mesh(self.dist, cfg.parallel, cfg.distributed)
             first_collective(self.dist, self.mesh, self.device)
             if cfg.fault.selfcheck and under_launcher():
-                host_selfcheck(self.device, cfg.fault.selfcheck_min_speed, self._warn)
+                self._selfcheck()
         else:
             self.mesh = Mesh(1, 1, 1, 0)
         self.engine = ParallelEngine(cfg, self.mesh, self.device, self.model_dtype, init)
@@ -185,6 +187,16 @@ class Trainer:
         return box[0]
 
     # ------------------------------------------------------------------ set-up helpers
+
+    def _selfcheck(self) -> None:
+        """The host self-check of a launched job; a host that fails goes on the run's blocklist (its first
+        rank writes it) before its ranks exit 4 and its agent leaves the job."""
+        try:
+            host_selfcheck(self.device, self.cfg.fault.selfcheck_min_speed, self._warn)
+        except HostCheckError as e:
+            if self.dist.local_rank == 0:
+                blocklist.add(self.run_dir, host_id(), str(e), os.environ.get("TORCHELASTIC_RUN_ID", ""))
+            raise
 
     def _initial_weights(self) -> dict[str, torch.Tensor] | None:
         """model.init_from's weights (one-process state dict), or None for the seed's random ones."""

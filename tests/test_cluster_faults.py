@@ -3,7 +3,10 @@
 A dp2 x tp2 job of 14 steps (float64, snapshots in host memory every 2 steps) runs fault-free, then
 with a worker on host 1 killed by SIGKILL, then with all of host 1 (agent and workers) killed and
 started again, as a cluster manager restarts a failed pod. Each faulty run recovers with no person
-involved and ends with the fault-free run's final weights, bit for bit.
+involved and ends with the fault-free run's final weights, bit for bit. Then host 1 crashes and fails
+its self-check at the restart: it is evicted, and a replacement host takes its place (exact again),
+or, with `--nnodes 1:2` and `parallel.dp = 0`, the job goes on with dp 1 on one host (equal to
+rounding: the same sums in another order).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 from _cluster import make_cluster
 
 from megascale.checkpoint.model_state import read_model_state
+from megascale.fault import blocklist
+from megascale.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.dropout=0.0",
@@ -38,12 +43,13 @@ def data(tmp_path_factory) -> list[str]:
     return [f"data.source={json.dumps(str(d))}", f"data.path={json.dumps(str(d / 'ds'))}"]
 
 
-def _agent(cluster, host: int, run: Path, data: list[str], fault: str = "", job: str = "job"):
+def _agent(cluster, host: int, run: Path, data: list[str], fault: str = "", job: str = "job",
+           nnodes: str = "2", extra: tuple[str, ...] = ()):
     env = {"OMP_NUM_THREADS": "1", "MEGASCALE_INJECT": fault or None}
-    argv = [sys.executable, "-m", "megascale", "launch", "--nnodes", "2", "--nproc-per-node", "2",
+    argv = [sys.executable, "-m", "megascale", "launch", "--nnodes", nnodes, "--nproc-per-node", "2",
             "--rdzv-endpoint", f"{cluster.addr(0)}:29400", "--rdzv-id", job,
             "--local-addr", cluster.addr(host), "--config", str(ROOT / "configs" / "cpu_default.toml"), *JOB,
-            *data, f"train.run_dir={run}"]
+            *data, f"train.run_dir={run}", *extra]
     run.parent.mkdir(parents=True, exist_ok=True)
     log = open(run.parent / f"host{host}.log", "a")  # noqa: SIM115 - the agent's, closed with the test
     return cluster.popen(host, argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -58,7 +64,7 @@ def _wait(procs, timeout: float = 300) -> list[int]:
 
 
 def _logs(run: Path) -> str:
-    return "".join((run.parent / f"host{h}.log").read_text() for h in (0, 1)
+    return "".join((run.parent / f"host{h}.log").read_text() for h in (0, 1, 2)
                    if (run.parent / f"host{h}.log").exists())
 
 
@@ -115,3 +121,64 @@ def test_a_dead_host_brought_back_rejoins_and_the_job_ends_exactly(request, tmp_
     assert codes == [0, 0], logs[-4000:]
     assert "restart 1 of 3" in logs, logs[-4000:]
     _equal(run, reference)
+
+
+def _own_memory(tmp_path: Path, host: int) -> tuple[str, ...]:
+    """Storage checkpoints every 2 steps, and each host its own host memory (the simulated hosts share
+    one /dev/shm; a real replacement machine does not have the evicted one's snapshots)."""
+    return ("checkpoint.interval=2", f"checkpoint.memory_dir={tmp_path / 'shm' / f'host{host}'}")
+
+
+def _evicted_after_a_crash(cluster, run: Path, data, tmp_path: Path, more: tuple[str, ...] = (),
+                           **kw) -> list:
+    """Hosts 0 and 1 train; host 1's workers die at step 7 and at the restart its self-check fails: it
+    must be evicted (exit 4, on the blocklist) while host 0's agent restarts. Returns the agents."""
+    a1 = cluster.addr(1)
+    faults = f"kill@step:7:host={a1},fail@selfcheck:1:host={a1}:attempt=1"
+    agents = [_agent(cluster, h, run, data, faults, extra=(*_own_memory(tmp_path, h), *more), **kw)
+              for h in (0, 1)]
+    assert agents[1].wait(timeout=240) == 4, _logs(run)[-4000:]
+    assert "injected" in blocklist.entry(run, a1)["reason"], blocklist.read(run)
+    return agents
+
+
+def test_a_host_failing_its_selfcheck_is_evicted_and_a_replacement_takes_its_place(request, tmp_path, data,
+                                                                                    reference):
+    cluster = make_cluster(request, hosts=3)
+    run = tmp_path / "run"
+    agents = _evicted_after_a_crash(cluster, run, data, tmp_path, job="evict")
+    # the survivor waits in a new rendezvous round; the cluster manager brings up a replacement machine
+    spare = _agent(cluster, 2, run, data, job="evict", extra=_own_memory(tmp_path, 2))
+    codes = _wait([agents[0], spare])
+    logs = _logs(run)
+    assert codes == [0, 0], logs[-4000:]
+    assert "evicted (on the run's blocklist" in logs and "evict: another host failed its self-check" in logs
+    _equal(run, reference)  # resumed from storage (the replacement has no snapshot), same layout: exact
+    # the evicted machine, started again by its pod's restart policy, is refused with the reason
+    again = _agent(cluster, 1, run, data, job="evict")
+    assert again.wait(timeout=60) == 4
+    assert f"this host ({cluster.addr(1)}) was evicted from this run" in _logs(run)
+
+
+def test_without_a_replacement_the_job_shrinks_dp_and_ends_like_the_fault_free_run(request, tmp_path, data,
+                                                                                   reference):
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    agents = _evicted_after_a_crash(cluster, run, data, tmp_path, ("parallel.dp=0",), job="shrink",
+                                    nnodes="1:2")
+    codes = _wait([agents[0]])
+    logs = _logs(run)
+    assert codes == [0], logs[-4000:]
+    layouts = [r["dp"] for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "layout"]
+    assert layouts[0] == 2 and layouts[-1] == 1, layouts  # dp2 x tp2 on 2 hosts, then dp1 x tp2 on one
+    # one host does the same arithmetic in another order (dp=1 sums the micro-batches, dp=2 all-reduces
+    # them): equal to rounding, in float64
+    ref, got = _weights(reference), _weights(run)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+    def losses(r):
+        return {m["step"]: m["loss"] for m in read_metrics(r / "metrics.jsonl") if m.get("kind") == "train"}
+    want, have = losses(reference), losses(run)
+    assert set(want) == set(have)
+    for step in want:
+        assert abs(want[step] - have[step]) <= 1e-9 * abs(want[step]), step

@@ -19,6 +19,8 @@ def register(subparsers) -> None:
                    help="the job's id, the same on every host (default: from the endpoint and run_dir)")
     p.add_argument("--local-addr", default=None, help="this host's address as the others reach it")
     p.add_argument("--max-restarts", type=int, default=None, help="default: fault.max_restarts")
+    p.add_argument("--unblock", metavar="HOST", default=None,
+                   help="take HOST (its --local-addr) off the run's blocklist of evicted hosts, then exit")
     p.add_argument("--config", help="TOML config file (default: configs/cpu_default.toml)")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
     p.set_defaults(func=_cmd_launch)
@@ -39,7 +41,19 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         if args.nnodes.replace(":", "").isdigit() else None
     if max_nodes is None:
         raise UserError(f"--nnodes: {args.nnodes!r} is not N or MIN:MAX")
-    if ":" not in args.nnodes:
+    if args.unblock is not None:
+        from megascale.fault import blocklist
+
+        was = blocklist.remove(cfg.train.run_dir, args.unblock)
+        print(f"megascale launch: {args.unblock} " + ("is off the blocklist of " if was else "was not on the "
+              "blocklist of ") + str(blocklist.path(cfg.train.run_dir)))
+        return 0
+    lo, _, hi = args.nnodes.partition(":")
+    if hi and hi != lo and cfg.parallel.dp != 0:
+        raise UserError(f"--nnodes {args.nnodes}: a job whose host count may change needs parallel.dp = 0 "
+                        f"(data parallel size from the world); parallel.dp = {cfg.parallel.dp} fits one "
+                        "count only")
+    if cfg.parallel.dp != 0:
         check_world_size(cfg, max_nodes * args.nproc_per_node, "--nnodes x --nproc-per-node")
     if args.max_restarts is not None:
         if args.max_restarts < 0:
@@ -48,4 +62,5 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     run_id = args.rdzv_id or "megascale-" + hashlib.sha1(
         f"{args.rdzv_endpoint}|{cfg.train.run_dir}".encode()).hexdigest()[:12]
     return launch(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, run_id,
-                  ["--config", args.config, *args.overrides], cfg.fault, args.local_addr)
+                  ["--config", args.config, *args.overrides], cfg.fault, args.local_addr,
+                  cfg.train.run_dir)

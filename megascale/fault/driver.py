@@ -19,6 +19,14 @@ hosts' agents see the restarting host wait in a new rendezvous round and restart
 whole job restarts together. Workers are stopped with SIGKILL: the state worth keeping is in
 the host-memory snapshots and storage, and a stopped or hung process would not act on SIGTERM.
 
+Eviction: in a multi-host job a host that fails the self-check is put on the run's blocklist
+(fault/blocklist.py) by its first rank; its ranks exit 4, the others 5 (PeerHostEvicted). The failed
+host's agent then leaves the rendezvous *without closing it* (elastic's agent would close it and end
+the job everywhere) and exits 4; the others restart into a new round, which a spare host (an agent
+started beyond --nnodes waits in elastic's redundancy list) completes in its place, or, with
+`--nnodes MIN:MAX` and `parallel.dp = 0`, which closes with fewer hosts and a smaller dp (the
+restore reshards). An agent never starts on a blocklisted host.
+
 Faults injected with MEGASCALE_INJECT fire in the first attempt only (`fault/inject.py`), so a
 restarted job runs clean, as after a real fault.
 """
@@ -29,6 +37,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -36,6 +45,7 @@ from contextlib import contextmanager
 
 from megascale.config import FaultConfig
 from megascale.errors import UserError
+from megascale.fault import blocklist
 from megascale.fault.heartbeat import read_heartbeats
 
 _log = logging.getLogger("megascale.launch")
@@ -51,6 +61,10 @@ def _final(codes: set[int], code: int) -> bool:
     return code in codes and all(c == code or c < 0 for c in codes)
 
 
+class HostEvicted(Exception):
+    """This host is on the run's blocklist: its agent leaves the job (exit 4)."""
+
+
 def make_agent_class():
     """The agent class (imported lazily: torch.distributed.elastic is heavy)."""
     import torch.distributed as dist
@@ -59,6 +73,9 @@ def make_agent_class():
 
     class MegaScaleAgent(LocalElasticAgent):
         fault: FaultConfig = FaultConfig()
+        multi_host = False  # --nnodes MAX > 1
+        host = ""  # this host's id (MEGASCALE_HOST_ID)
+        run_dir = ""  # the run's directory: its blocklist
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -76,8 +93,14 @@ def make_agent_class():
                 codes = {f.exitcode for f in result.failures.values()}
                 if _final(codes, 4):
                     self._remaining_restarts = 0
-                    _say("a host failed its self-check (its line is above): not restarting on it; "
-                         "replace the host (or take it out of the job) and launch again")
+                    if self.multi_host:
+                        self._evicted(worker_group)
+                    else:
+                        _say("the host failed its self-check (its line is above): not restarting on it; "
+                             "repair or replace it and launch again")
+                elif _final(codes, 5):
+                    self._event("evict", "another host failed its self-check and left the job (the workers' "
+                                "line is above)")
                 elif _final(codes, 2):
                     self._remaining_restarts = 0  # a user error: restarting cannot help
                 else:
@@ -149,7 +172,38 @@ def make_agent_class():
                     else f"no restarts left (fault.max_restarts={most}): the job fails")
             _say(f"{kind}: {detail}; {then}")
 
+        def _restart_workers(self, worker_group) -> None:
+            # a host on the blocklist never restarts: elastic restarts a healthy-looking group when another
+            # host waits in a new round, and an evicted host's workers may not have exited 4 by then
+            if self.multi_host and blocklist.entry(self.run_dir, self.host) is not None:
+                self._evicted(worker_group)
+                raise HostEvicted(self.host)
+            super()._restart_workers(worker_group)
+
+        def _evicted(self, worker_group) -> None:
+            self._remaining_restarts = 0
+            self._leave_quietly(worker_group.spec.rdzv_handler)
+            _say(f"this host ({self.host}) failed its self-check (its line is above): evicted (on the run's "
+                 f"blocklist, {blocklist.path(self.run_dir)}); the other hosts go on without it")
+
         # ---------------------------------------------------------------- stopping
+
+        @staticmethod
+        def _leave_quietly(handler) -> None:
+            """Make the agent's final rendezvous shutdown a departure: elastic's closes the rendezvous for
+            every host (the job ends); an evicted host must only leave it, so the others go on."""
+            def leave() -> bool:
+                try:  # private API: stop the keep-alives and run the exit op (as next_rendezvous does)
+                    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
+
+                    handler._stop_heartbeats()
+                    handler._op_executor.run(_RendezvousExitOp(),
+                                             handler._get_deadline(handler._settings.timeout.close))
+                except Exception:  # noqa: BLE001 - the keep-alives stop with the process; it expires
+                    pass
+                return True
+
+            handler.shutdown = leave
 
         def _stop_workers(self, worker_group) -> None:
             # SIGKILL, not SIGTERM: what must survive is in host memory and storage already, and a
@@ -160,12 +214,12 @@ def make_agent_class():
 
 
 @contextmanager
-def _our_agent(fault: FaultConfig):
+def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str):
     """elastic_launch builds a LocalElasticAgent by name; for this call it builds ours."""
     from torch.distributed.launcher import api
 
     cls = make_agent_class()
-    cls.fault = fault
+    cls.fault, cls.multi_host, cls.host, cls.run_dir = fault, multi_host, host, run_dir
     original = api.LocalElasticAgent
     api.LocalElasticAgent = cls
     try:
@@ -175,7 +229,7 @@ def _our_agent(fault: FaultConfig):
 
 
 def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, train_argv: list[str],
-           fault: FaultConfig, local_addr: str | None = None) -> int:
+           fault: FaultConfig, local_addr: str | None = None, run_dir: str = "runs/default") -> int:
     """Run `megascale train <train_argv>` as this host's part of the job; the job's exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -191,7 +245,10 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
     if nproc_per_node < 1:
         raise UserError(f"--nproc-per-node: must be >= 1, got {nproc_per_node}")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
-    rdzv = {"join_timeout": 120, "last_call_timeout": 2, "close_timeout": 10}
+    # last call: once MIN hosts are in, how long a round waits for more (a MIN:MAX job's hosts start with
+    # some skew, and a round closed early would run smaller than it could)
+    last_call = 2 if min_nodes == max_nodes else 10
+    rdzv = {"join_timeout": 120, "last_call_timeout": last_call, "close_timeout": 10}
     if max_nodes > 1:
         # Elastic shares the rendezvous TCPStore with the workers and publishes its address once, in the
         # first round: a host that joins a later round (a machine restarted after a crash) then waits
@@ -206,10 +263,18 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
         rdzv_configs=rdzv,
     )
     os.environ["MEGASCALE_LAUNCH"] = "1"  # the workers' cue: self-check before training (fault.selfcheck)
+    # the host's name in the job: its address as the others reach it (simulated hosts share a hostname)
+    host = os.environ.setdefault("MEGASCALE_HOST_ID", local_addr or socket.gethostname())
+    banned = blocklist.entry(run_dir, host)
+    if banned is not None:
+        _say(f"this host ({host}) was evicted from this run at {banned.get('time')}: {banned.get('reason')}; "
+             f"not joining. Once it is repaired: megascale launch --unblock {host} --config ... (or delete "
+             f"its entry from {blocklist.path(run_dir)})")
+        return 4
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     t0 = time.time()
     try:
-        with _our_agent(fault):
+        with _our_agent(fault, max_nodes > 1, host, run_dir):
             elastic_launch(config, entrypoint=sys.executable)("-m", "megascale", "train", *train_argv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
@@ -218,6 +283,8 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
                 return final
         _say(f"the job failed after {time.time() - t0:.0f} s:\n{e.format_msg()}")
         return max(codes) if max(codes) > 0 else 1
+    except HostEvicted:
+        return 4
     except SignalException as e:
         return 128 + int(e.sigval)
     finally:

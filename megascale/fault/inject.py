@@ -12,37 +12,75 @@
     MEGASCALE_INJECT="skew@clock:50000000:rank=1"  rank 1's trace clock runs 50 ms ahead (what clock
                                              alignment must undo)
 
-Several faults are separated by commas. A point in the code calls `inject(point, step)` (or asks
-`skips`, `delays`, `skew_ns`); each costs a dict lookup when nothing is set.
+Several faults are separated by commas. Each may name where and when it fires, after its value:
+`rank=R` (global rank), `host=H` (the host's id, `host_id()`: under `megascale launch` its
+--local-addr, so simulated hosts that share one hostname differ) and `attempt=K` (the agent's
+restart count; default 0, so a restarted job runs clean, as after a real fault). A point in the code
+calls `inject(point, step)` (or asks `skips`, `delays`, `skew_ns`); each costs a dict lookup when
+nothing is set.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+from typing import NamedTuple
 
 
-def _parse(spec: str) -> list[tuple[str, str, float, int | None]]:
+class Fault(NamedTuple):
+    action: str  # kill, stop, nan, skip, delay, skew, fail
+    point: str  # where in the code: step, persist, forward, selfcheck, ...
+    value: float  # the step, the seconds, the check number
+    rank: int | None = None  # only this global rank
+    host: str | None = None  # only this host (host_id())
+    attempt: int | None = None  # only in this attempt (None: not named; see `here`)
+
+
+def host_id() -> str:
+    """This host's name in the job: MEGASCALE_HOST_ID (set by `megascale launch` to its --local-addr,
+    else the hostname), or the hostname."""
+    return os.environ.get("MEGASCALE_HOST_ID") or socket.gethostname()
+
+
+def _parse(spec: str) -> list[Fault]:
     out = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         action, _, rest = item.partition("@")
         parts = rest.split(":")
         if len(parts) < 2:
-            raise ValueError(f"MEGASCALE_INJECT: {item!r} is not ACTION@POINT:VALUE[:rank=R]")
-        rank = None
-        if len(parts) > 2 and parts[2].startswith("rank="):
-            rank = int(parts[2][5:])
-        out.append((action, parts[0], float(parts[1]), rank))
+            raise ValueError(f"MEGASCALE_INJECT: {item!r} is not "
+                             "ACTION@POINT:VALUE[:rank=R][:host=H][:attempt=K]")
+        where: dict = {}
+        for q in parts[2:]:
+            key, _, val = q.partition("=")
+            if key not in ("rank", "host", "attempt") or not val:
+                raise ValueError(f"MEGASCALE_INJECT: {item!r}: {q!r} is not rank=R, host=H or attempt=K")
+            where[key] = val if key == "host" else int(val)
+        out.append(Fault(action, parts[0], float(parts[1]), **where))
     return out
+
+
+def attempt() -> int:
+    """This agent's restart count (0 outside `megascale launch` and torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def here(f: Fault, rank: int, default_attempt: int | None = 0) -> bool:
+    """Whether fault f is for this process: its rank, its host and its attempt (the one it names, else
+    `default_attempt`; None: every attempt)."""
+    want = f.attempt if f.attempt is not None else default_attempt
+    return ((f.rank is None or f.rank == rank) and (f.host is None or f.host == host_id())
+            and (want is None or want == attempt()))
 
 
 def _mine(rank: int | None = None):
     spec = os.environ.get("MEGASCALE_INJECT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return []  # a restarted job (megascale launch) runs clean, as after a real fault
+    if not spec:
+        return []
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
-    return [(a, w, v) for a, w, v, only in _parse(spec) if only is None or only == rank]
+    return [(f.action, f.point, f.value) for f in _parse(spec) if here(f, rank)]
 
 
 def inject(point: str, step: int) -> None:

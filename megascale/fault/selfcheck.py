@@ -31,7 +31,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -123,21 +122,22 @@ def _rank() -> int:
 def inject_failure(name: str, rank: int | None = None) -> bool:
     """Whether MEGASCALE_INJECT says check `name` of this rank (or `rank`) is to fail.
 
-    "fail@selfcheck:N[:rank=R]" with N the check's number in CHECKS (1=matmul, 2=memory,
-    3=allreduce, 4=p2p, 5=alltoall). Parsed with fault/inject.py's parser; not lifted on restart
+    "fail@selfcheck:N[:rank=R][:host=H][:attempt=K]" with N the check's number in CHECKS (1=matmul,
+    2=memory, 3=allreduce, 4=p2p, 5=alltoall). Parsed with fault/inject.py's parser; not lifted on restart
     (see the module docstring), so an injected bad host stays bad, as a real one would.
     """
     spec = os.environ.get("MEGASCALE_INJECT")
     if not spec:
         return False
     rank = _rank() if rank is None else rank
-    for action, point, value, only in inject._parse(spec):
-        if action != "fail" or point != "selfcheck":
+    for f in inject._parse(spec):
+        if f.action != "fail" or f.point != "selfcheck":
             continue
-        if value not in CHECKS:
-            raise ValueError(f"MEGASCALE_INJECT: fail@selfcheck:{value:g}: no such check "
+        if f.value not in CHECKS:
+            raise ValueError(f"MEGASCALE_INJECT: fail@selfcheck:{f.value:g}: no such check "
                              f"(known: {', '.join(f'{k}={v}' for k, v in CHECKS.items())})")
-        if CHECKS[int(value)] == name and (only is None or only == rank):
+        # broken hardware stays broken: every attempt, unless the fault names one (attempt=K)
+        if CHECKS[int(f.value)] == name and inject.here(f, rank, default_attempt=None):
             return True
     return False
 
@@ -536,7 +536,7 @@ def run_selfcheck(device="cpu", host_group=None, host_ranks: list[int] | None = 
     peers = _neighbours(ring_group) if ring_group is not None else None
     if peers is not None:
         results.append(_guard("p2p", check_p2p, *peers, ring_group, sizes.p2p_mb))
-    return SelfCheckReport(socket.gethostname(), _rank(), results)
+    return SelfCheckReport(inject.host_id(), _rank(), results)
 
 
 # --------------------------------------------------------------------------- megascale diagnose --hosts
@@ -638,15 +638,19 @@ def under_launcher() -> bool:
     """Whether `megascale launch` started this process (the self-check is its business; a plain torchrun
     or `megascale train --nproc` job does not run it)."""
     env = os.environ
-    return env.get("MEGASCALE_LAUNCH") == "1" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    # MEGASCALE_LAUNCH alone could be inherited by a job started from inside a launched one; elastic's
+    # agent also sets the restart count for its workers (not TORCHELASTIC_USE_AGENT_STORE: with the
+    # per-round stores of a multi-host job that is False)
+    return env.get("MEGASCALE_LAUNCH") == "1" and "TORCHELASTIC_RESTART_COUNT" in env
 
 
 def host_selfcheck(device, min_fraction: float, warn) -> SelfCheckReport:
     """The Trainer's check before each (re)start of a launched job (collective over the world): every
     rank checks itself, its host's ranks all-reduce among themselves, the world passes a p2p ring.
-    Any failure on any rank raises HostCheckError on every rank, naming the hosts and checks (exit 4:
-    the driver does not restart a job on a broken host)."""
-    from megascale.errors import HostCheckError
+    A failure on any rank raises on every rank, naming the hosts and checks: HostCheckError on the
+    ranks of a host that failed (exit 4: the driver evicts it), PeerHostEvicted on the others (exit 5:
+    the driver restarts them without it)."""
+    from megascale.errors import HostCheckError, PeerHostEvicted
 
     world, rank = dist.get_world_size(), dist.get_rank()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -660,11 +664,16 @@ def host_selfcheck(device, min_fraction: float, warn) -> SelfCheckReport:
     report = run_selfcheck(device, host_group=host_group, host_ranks=host_ranks, ring_group=dist.group.WORLD,
                            min_fraction=min_fraction)
     every: list = [None] * world
-    dist.all_gather_object(every, (report.ok, report.line()))
-    failed = [line for ok, line in every if not ok]
+    dist.all_gather_object(every, (report.ok, report.line(), report.host))
+    failed = [line for ok, line, _ in every if not ok]
     if failed:
         more = f" (and {len(failed) - 8} more)" if len(failed) > 8 else ""
-        raise HostCheckError("; ".join(failed[:8]) + more)
+        why = "; ".join(failed[:8]) + more
+        bad = sorted({host for ok, _, host in every if not ok})
+        if report.host in bad:  # every rank of a failed host leaves: the driver evicts the host
+            raise HostCheckError(why)
+        raise PeerHostEvicted(f"host {', '.join(bad)} failed the self-check and is evicted ({why}); "
+                              f"this host ({report.host}) passed and restarts without it")
     if rank == 0:
         warn(f"self-check passed on {world} ranks ({report.line().split(': ', 1)[-1]} on rank 0)")
     return report
