@@ -16,8 +16,14 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e . 
 	touch $@
 
+# Megatron-Core writes the Megatron-format datasets the tests read (tests/test_data_formats.py). It comes
+# without dependencies, so pip never reconsiders the pinned torch: what its dataset module imports
+# (torch, numpy, packaging, PyYAML) is installed by the lines above.
+MEGATRON_CORE := megatron-core==0.16.1
+
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install --no-deps $(MEGATRON_CORE)
 	touch $@ $(VENV)/.installed
 
 venv: $(VENV)/.installed

@@ -102,12 +102,17 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "data/cache/shakespeare"  # prefix of the indexed dataset (<path>.bin / <path>.idx)
+    # prefix of the indexed dataset (<path>.bin / <path>.idx; a path ending in .bin or .idx is taken too),
+    # in megascale's format or Megatron-LM's (preprocess_data.py's <name>_text_document): the .idx says
+    path: str = "data/cache/shakespeare"
     source: str = ""  # text/JSONL file, directory or glob to build `path` from when it does not exist
     tokenizer: str = "byte"  # "byte", "gpt2", or a path to a Hugging Face tokenizer.json
     val_fraction: float = 0.05  # fraction of documents held out for validation
     seed: int = 1234
     preprocess_workers: int = 2
+    # [[weight, prefix], ...]: train on several datasets (either format) mixed by weight, in a fixed,
+    # resumable order (megascale/data/blend.py); replaces path and source. []: just `path`
+    blend: list = field(default_factory=list)
 
 
 @dataclass
@@ -313,6 +318,9 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     elif hint is str:
         if isinstance(value, str):
             return value
+    elif hint is list:  # checked element by element in validate()
+        if isinstance(value, list):
+            return value
     else:  # pragma: no cover - only the four scalar types are used
         return value
     raise ConfigError(f"{name}: expected {hint.__name__}, got {value!r}")
@@ -399,6 +407,7 @@ def validate(cfg: Config) -> None:
     _positive("data.preprocess_workers", d.preprocess_workers)
     if not d.path:
         raise ConfigError("data.path: must name the dataset prefix (<path>.bin / <path>.idx)")
+    _validate_blend(d)
 
     ds = cfg.distributed
     if ds.store not in ("tcp", "tcp-legacy") and not ds.store.startswith("redis://"):
@@ -432,6 +441,21 @@ def validate(cfg: Config) -> None:
     _positive("fault.max_nan_rollbacks", fc.max_nan_rollbacks, allow_zero=True)
     if not 0.0 <= fc.selfcheck_min_speed <= 1.0:
         raise ConfigError(f"fault.selfcheck_min_speed: must be in [0, 1], got {fc.selfcheck_min_speed}")
+
+
+def _validate_blend(d: DataConfig) -> None:
+    """data.blend's shape and weights; that its datasets exist is checked where they are opened
+    (megascale/data/ensure.py), as for data.path, so a config still loads where the data is not."""
+    if d.blend and d.source:
+        raise ConfigError("data.source: builds data.path, which data.blend replaces; set one of them")
+    for i, entry in enumerate(d.blend):
+        if (not isinstance(entry, list) or len(entry) != 2 or isinstance(entry[0], bool)
+                or not isinstance(entry[0], (int, float)) or not isinstance(entry[1], str)):
+            raise ConfigError(f"data.blend[{i}]: must be [weight, path], got {entry!r}")
+        if not 0 < entry[0] < float("inf"):
+            raise ConfigError(f"data.blend[{i}]: the weight must be > 0, got {entry[0]}")
+        if not entry[1]:
+            raise ConfigError(f"data.blend[{i}]: the path is empty")
 
 
 def validate_layout(cfg: Config) -> None:
@@ -506,4 +530,6 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):  # data.blend
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return repr(v)

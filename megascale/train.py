@@ -128,8 +128,9 @@ class Trainer:
                 prefix = ensure_dataset(cfg.data, progress=False)
             self.train_samples, self.val_samples = open_splits(prefix, cfg.data, m.seq_len)
             if len(self.train_samples) < t.global_batch:
+                where = "data.blend: the blend" if cfg.data.blend else f"data.path: {prefix}"
                 raise UserError(
-                    f"data.path: {prefix} has {len(self.train_samples)} training samples of "
+                    f"{where} has {len(self.train_samples)} training samples of "
                     f"{m.seq_len + 1} tokens, fewer than one global batch ({t.global_batch})"
                 )
             if self._lock is not None:  # one job per run directory, from here to the end of fit

@@ -114,9 +114,9 @@ def test_input_errors(tmp_path):
     with pytest.raises(UserError, match=f"input: {tmp_path / 'missing'} does not exist"):
         preprocess([tmp_path / "missing"], tmp_path / "o", progress=False)
     (tmp_path / "x.csv").write_text("a,b")
-    with pytest.raises(UserError, match="x.csv is not a .txt or .jsonl file"):
+    with pytest.raises(UserError, match=r"x.csv is not a .txt, .jsonl, .jsonl.gz or .parquet file"):
         preprocess([tmp_path / "x.csv"], tmp_path / "o", progress=False)
-    with pytest.raises(UserError, match="matches no .txt or .jsonl files"):
+    with pytest.raises(UserError, match=r"matches no .txt, .jsonl, .jsonl.gz or .parquet files"):
         preprocess([str(tmp_path / "*.txt")], tmp_path / "o", progress=False)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(UserError, match="contain no non-empty documents"):

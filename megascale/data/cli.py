@@ -14,10 +14,12 @@ from megascale.errors import UserError
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "preprocess", help="tokenise .txt/.jsonl files into an indexed dataset (<prefix>.bin/.idx)",
+        "preprocess",
+        help="tokenise .txt/.jsonl[.gz]/.parquet files into an indexed dataset (<prefix>.bin/.idx)",
         description="Tokenise text into an indexed binary dataset. A .txt file is one document; a .jsonl "
-                    "file holds one document per line in its \"text\" field. Directories are searched "
-                    "recursively; globs are expanded in sorted order.",
+                    "file holds one document per line in its \"text\" field (.jsonl.gz: the same, "
+                    "gzip'd); a .parquet file one per row of its \"text\" column. Directories are "
+                    "searched recursively; globs are expanded in sorted order.",
     )
     p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files, directories or globs")
     p.add_argument("--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")

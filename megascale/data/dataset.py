@@ -22,6 +22,7 @@ import torch
 
 from megascale.config import DataConfig
 from megascale.data.indexed import IndexedDataset
+from megascale.data.megatron import MegatronDataset, open_dataset
 from megascale.errors import UserError
 
 _SPLIT_STREAM = 1
@@ -58,8 +59,8 @@ class PackedSamples:
     one or few runs it overlaps.
     """
 
-    def __init__(self, dataset: IndexedDataset, doc_ids: Sequence[int] | np.ndarray, seq_len: int,
-                 name: str = "train") -> None:
+    def __init__(self, dataset: IndexedDataset | MegatronDataset, doc_ids: Sequence[int] | np.ndarray,
+                 seq_len: int, name: str = "train") -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.dataset, self.seq_len, self.name = dataset, seq_len, name
@@ -115,13 +116,18 @@ class PackedSamples:
 
 def open_splits(prefix: str | Path, data_cfg: DataConfig, seq_len: int,
                 ) -> tuple[PackedSamples, PackedSamples]:
-    """Open the dataset at `prefix` and return its (train, validation) samples, split by
-    `data.val_fraction` and `data.seed`.
+    """Open the dataset at `prefix` (megascale's or Megatron-LM's format) and return its (train,
+    validation) samples, split by `data.val_fraction` and `data.seed`; with `data.blend` set, the
+    blends of its datasets instead (megascale/data/blend.py; `prefix` is not used).
 
     The training split must yield at least one sample; an empty validation split is
     allowed (val_fraction = 0, or a one-document corpus) and has length 0.
     """
-    ds = IndexedDataset(prefix)
+    if data_cfg.blend:
+        from megascale.data.blend import open_blend  # it imports this module
+
+        return open_blend(data_cfg, seq_len)
+    ds = open_dataset(prefix)
     train_docs, val_docs = split_documents(ds.num_docs, data_cfg.val_fraction, data_cfg.seed)
     train = PackedSamples(ds, train_docs, seq_len, "train")
     if len(train) == 0:

@@ -70,6 +70,8 @@ class BatchLoader:
     def stream_indices(self, position: int, count: int) -> np.ndarray:
         """Sample indices at stream positions [position, position + count)."""
         pos = np.arange(position, position + count, dtype=np.int64)
+        if getattr(self.samples, "self_ordered", False):  # data.blend: it orders its own (blend.py)
+            return pos
         within = pos % self.num_samples
         if not self.shuffle:
             return within
@@ -159,18 +161,23 @@ class BatchLoader:
     # ---- state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed_samples": self.consumed_samples, "num_samples": self.num_samples,
-                "seed": self.seed, "shuffle": self.shuffle}
+        state = {"consumed_samples": self.consumed_samples, "num_samples": self.num_samples,
+                 "seed": self.seed, "shuffle": self.shuffle}
+        blend = getattr(self.samples, "blend_signature", None)
+        if blend is not None:  # data.blend: the weights and sizes its order depends on (blend.py)
+            state["blend"] = blend
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a `state_dict`. The sample set and seed must be the ones it was taken with,
         else the order would silently differ; the global batch size may change."""
         mine = self.state_dict()
-        for key in ("num_samples", "seed", "shuffle"):
-            if key in state and state[key] != mine[key]:
+        for key in ("num_samples", "seed", "shuffle", "blend"):
+            if key in state and state[key] != mine.get(key):
                 raise UserError(
-                    f"data loader state: the checkpoint has {key}={state[key]}, this run {mine[key]} "
-                    "(data.path, data.seed, data.val_fraction or model.seq_len changed since it was taken)"
+                    f"data loader state: the checkpoint has {key}={state[key]}, this run {mine.get(key)} "
+                    "(data.path, data.blend, data.seed, data.val_fraction or model.seq_len changed since "
+                    "it was taken)"
                 )
         self._halt()
         self.consumed_samples = int(state["consumed_samples"])
