@@ -199,6 +199,9 @@ class FaultConfig:
     max_nan_rollbacks: int = 3  # non-finite loss: roll back to the last snapshot, skip the batch; this often
     selfcheck: bool = True  # under megascale launch: every host checks itself before each (re)start
     selfcheck_min_speed: float = 0.25  # a matmul slower than this x the host's best recorded fails it
+    # a rank flagged as a straggler (observe.straggler_*) has its host evicted, as one failing the
+    # self-check is: a replacement or a smaller job goes on without it. Off: stragglers are reported only
+    evict_stragglers: bool = False
 
 
 @dataclass

@@ -53,7 +53,7 @@ from megascale.distributed.init import (
     init_distributed,
     set_collective_timeout,
 )
-from megascale.errors import HostCheckError, UserError
+from megascale.errors import HostCheckError, PeerHostEvicted, UserError
 from megascale.fault import blocklist
 from megascale.fault.inject import delays, fires_once, host_id, inject
 from megascale.fault.selfcheck import host_selfcheck, under_launcher
@@ -198,6 +198,18 @@ class Trainer:
             if self.dist.local_rank == 0:
                 blocklist.add(self.run_dir, host_id(), str(e), os.environ.get("TORCHELASTIC_RUN_ID", ""))
             raise
+
+    def _evict_straggler(self, rec: dict) -> None:
+        """fault.evict_stragglers: every rank has the same verdict; the straggler's host leaves (exit 4, on
+        the blocklist), the others restart without it (exit 5), as after a failed self-check."""
+        why = (f"straggler: rank {rec['rank']} {100 * rec['slower_by']:.0f}% slower in {rec['op']} than the "
+               f"median of its peers for {rec['windows']} windows (fault.evict_stragglers)")
+        if rec["host"] == host_id():
+            if self.dist.local_rank == 0:
+                blocklist.add(self.run_dir, rec["host"], why, os.environ.get("TORCHELASTIC_RUN_ID", ""))
+            raise HostCheckError(f"host {rec['host']} is evicted: {why}")
+        raise PeerHostEvicted(f"host {rec['host']} is evicted ({why}); this host ({host_id()}) restarts "
+                              "without it")
 
     def _initial_weights(self) -> dict[str, torch.Tensor] | None:
         """model.init_from's weights (one-process state dict), or None for the seed's random ones."""
@@ -374,7 +386,9 @@ class Trainer:
                     saved_at = s.step
                 for ev in self.checkpoints.events():
                     logger.log("persist", ev)
-                self.observer.end_step(s.step, logger)
+                slow = self.observer.end_step(s.step, logger)
+                if slow and cfg.fault.evict_stragglers and under_launcher():
+                    self._evict_straggler(slow[0])
                 self.heartbeat.update(step=s.step, loss=s.loss, tokens_per_s=s.tokens_per_s,
                                       status="training")
                 if self._stopping() is not None:

@@ -152,7 +152,7 @@ def test_a_host_failing_its_selfcheck_is_evicted_and_a_replacement_takes_its_pla
     codes = _wait([agents[0], spare])
     logs = _logs(run)
     assert codes == [0, 0], logs[-4000:]
-    assert "evicted (on the run's blocklist" in logs and "evict: another host failed its self-check" in logs
+    assert "is evicted (failed self-check or straggler" in logs and "evict: another host was evicted" in logs
     _equal(run, reference)  # resumed from storage (the replacement has no snapshot), same layout: exact
     # the evicted machine, started again by its pod's restart policy, is refused with the reason
     again = _agent(cluster, 1, run, data, job="evict")
@@ -182,3 +182,26 @@ def test_without_a_replacement_the_job_shrinks_dp_and_ends_like_the_fault_free_r
     assert set(want) == set(have)
     for step in want:
         assert abs(want[step] - have[step]) <= 1e-9 * abs(want[step]), step
+
+
+def test_a_straggling_host_is_evicted_when_asked_and_the_job_goes_on_without_it(request, tmp_path, data,
+                                                                                reference):
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    slow = f"delay@forward:0.1:host={cluster.addr(1)}"  # both of host 1's ranks: a slow machine
+    watch = ("fault.evict_stragglers=true", "observe.straggler_window=2", "observe.straggler_windows=2",
+             "parallel.dp=0")
+    agents = [_agent(cluster, h, run, data, slow, job="straggler", nnodes="1:2",
+                     extra=(*_own_memory(tmp_path, h), *watch)) for h in (0, 1)]
+    codes = _wait(agents)
+    logs = _logs(run)
+    assert codes == [0, 4], logs[-4000:]
+    reason = blocklist.entry(run, cluster.addr(1))["reason"]
+    assert reason.startswith("straggler: rank ") and "slower in" in reason, reason
+    stragglers = read_metrics(run / "metrics.jsonl", "straggler")
+    assert stragglers and {s["host"] for s in stragglers} == {cluster.addr(1)}, stragglers
+    layouts = [r["dp"] for r in read_metrics(run / "metrics.jsonl", "layout")]
+    assert layouts[0] == 2 and layouts[-1] == 1, layouts
+    ref, got = _weights(reference), _weights(run)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)

@@ -99,8 +99,8 @@ def make_agent_class():
                         _say("the host failed its self-check (its line is above): not restarting on it; "
                              "repair or replace it and launch again")
                 elif _final(codes, 5):
-                    self._event("evict", "another host failed its self-check and left the job (the workers' "
-                                "line is above)")
+                    self._event("evict", "another host was evicted (failed self-check or straggler: the "
+                                "workers' line is above) and left the job")
                 elif _final(codes, 2):
                     self._remaining_restarts = 0  # a user error: restarting cannot help
                 else:
@@ -183,8 +183,8 @@ def make_agent_class():
         def _evicted(self, worker_group) -> None:
             self._remaining_restarts = 0
             self._leave_quietly(worker_group.spec.rdzv_handler)
-            _say(f"this host ({self.host}) failed its self-check (its line is above): evicted (on the run's "
-                 f"blocklist, {blocklist.path(self.run_dir)}); the other hosts go on without it")
+            _say(f"this host ({self.host}) is evicted (failed self-check or straggler: its line is above), "
+                 f"on the run's blocklist ({blocklist.path(self.run_dir)}); the other hosts go on without it")
 
         # ---------------------------------------------------------------- stopping
 

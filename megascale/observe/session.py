@@ -16,7 +16,6 @@ diagnosis either); the benchmark `benchmarks/observe_overhead.py` compares the t
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from megascale.config import Config
 from megascale.fault.heartbeat import HeartbeatWriter
+from megascale.fault.inject import host_id
 from megascale.observe import timers
 from megascale.observe.clock import measure_offsets
 from megascale.observe.stragglers import COMPUTE_OPS, StragglerDetector
@@ -61,11 +61,11 @@ class Observer:
                                         capacity=self.ob.buffer_records,
                                         flush_interval_s=self.ob.flush_interval_s, mesh_shape=shape)
         timers.install(self.recorder)
-        self.hosts = [socket.gethostname()]
+        self.hosts = [host_id()]  # under megascale launch its --local-addr (simulated hosts share a name)
         self.coords = [(0, 0, 0)]
         if self.multi:
             every: list = [None] * mesh.world_size
-            dist.all_gather_object(every, (socket.gethostname(), (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank)))
+            dist.all_gather_object(every, (host_id(), (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank)))
             self.hosts = [h for h, _ in every]
             self.coords = [tuple(c) for _, c in every]
             self.recorder.note(hosts=self.hosts)
@@ -115,7 +115,7 @@ class Observer:
 
     def end_step(self, step: int, logger) -> list[dict]:
         """After optimizer step `step` (1-based count done): the periodic collectives. Returns the
-        straggler records found (rank 0; empty elsewhere)."""
+        straggler records found, the same on every rank (fault.evict_stragglers acts on them)."""
         if self.recorder is None or not self.multi:
             return []
         ob, found = self.ob, []
@@ -137,10 +137,10 @@ class Observer:
         parts = [torch.empty_like(dev) for _ in range(self.mesh.world_size)]
         with timers.comm("all_gather", "dp", "world"):
             dist.all_gather(parts, dev)
-        if self.mesh.rank != 0:
-            return []
         seconds = np.stack([p.cpu().numpy() for p in parts])
-        ranks_recs, found = self.stragglers.update(step, first, seconds)
+        ranks_recs, found = self.stragglers.update(step, first, seconds)  # every rank: the same verdict
+        if self.mesh.rank != 0:
+            return found
         for rec in ranks_recs:
             logger.log("ranks", rec)
         for rec in found:
