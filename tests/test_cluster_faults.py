@@ -205,3 +205,24 @@ def test_a_straggling_host_is_evicted_when_asked_and_the_job_goes_on_without_it(
     ref, got = _weights(reference), _weights(run)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+
+
+def test_a_full_disk_and_a_rotten_shard_cost_checkpoints_not_the_run(request, tmp_path, data, reference):
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    a1 = cluster.addr(1)
+    # storage only (no host memory), written before the next step: the step-4 write fails as on a full
+    # disk, a shard of step 6 rots once committed, and host 1's workers die at step 7. The restart finds
+    # step 6 damaged and step 4 never written, and resumes from step 2.
+    faults = f"full@write:4,corrupt@committed:6:host={a1},kill@step:7:host={a1}"
+    disk = ("checkpoint.interval=2", "checkpoint.memory=false", "checkpoint.async_persist=false")
+    codes = _wait([_agent(cluster, h, run, data, faults, job="disk", extra=disk) for h in (0, 1)])
+    logs = _logs(run)
+    assert codes == [0, 0], logs[-4000:]
+    # (the metrics of steps after the resume point are rewritten by the resumed run: the log keeps these)
+    assert re.search(r"persisting step 4 .* failed \(OSError: \[Errno 28\] No space left on device", logs)
+    assert re.search(r"step_000006/__\d_0.distcp: checksum mismatch \(corrupted\); falling back", logs)
+    assert "restart 1 of 3" in logs and "resumed from storage at step 2" in logs, logs[-4000:]
+    starts = [r["step"] for r in read_metrics(run / "metrics.jsonl", "layout")]
+    assert starts == [0, 2], starts  # resumed from step 2
+    _equal(run, reference)

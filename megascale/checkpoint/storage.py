@@ -399,6 +399,8 @@ def persist(storage: Storage, step: int, write, meta: dict[str, Any] | None, gro
     part = None
     if not error:
         try:
+            if inject is not None:
+                inject("write", step)  # e.g. a full disk (OSError ENOSPC)
             files, part = write(path)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - disk full, I/O error, a dead writer
             error = first_line(e)
@@ -431,6 +433,8 @@ def persist(storage: Storage, step: int, write, meta: dict[str, Any] | None, gro
     result = [ok, errors[0] if errors else ""]
     if world > 1:
         dist.broadcast_object_list(result, src=_global_rank0(group), group=group)
+    if inject is not None and result[0] and not storage.is_url:
+        inject("committed", step, [f"{path}/{name}" for name in files])  # e.g. a shard that rots on disk
     written = sum(f["bytes"] for f in files.values())
     return PersistResult(step, path, bool(result[0]), result[1], written, time.perf_counter() - t0)
 

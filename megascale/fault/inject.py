@@ -9,6 +9,9 @@
                                              desynchronises the collectives: the job hangs)
     MEGASCALE_INJECT="stop@step:3:rank=5"    rank 5 SIGSTOPs itself at the start of step 3 (a hung host)
     MEGASCALE_INJECT="nan@step:7"            the loss of step 7 (0-based) becomes NaN, once per process
+    MEGASCALE_INJECT="full@write:4"          the step-4 checkpoint's write fails as on a full disk (ENOSPC)
+    MEGASCALE_INJECT="corrupt@committed:6:rank=1"  once the step-6 checkpoint is committed, a byte of each
+                                             of rank 1's shard files is flipped (bit rot, a bad disk)
     MEGASCALE_INJECT="skew@clock:50000000:rank=1"  rank 1's trace clock runs 50 ms ahead (what clock
                                              alignment must undo)
 
@@ -22,9 +25,11 @@ nothing is set.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
+from collections.abc import Sequence
 from typing import NamedTuple
 
 
@@ -83,15 +88,25 @@ def _mine(rank: int | None = None):
     return [(f.action, f.point, f.value) for f in _parse(spec) if here(f, rank)]
 
 
-def inject(point: str, step: int) -> None:
-    """Kill or stop this process here if a fault names this point and step."""
+def inject(point: str, step: int, files: Sequence[str] = ()) -> None:
+    """Act out a fault that names this point and step: kill or stop this process, fail like a full disk
+    (raise OSError ENOSPC), or corrupt `files` (flip a byte in the middle of each, as bit rot would)."""
     for action, where, at in _mine():
         if where == point and at == step:
             if action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif action == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
-            elif action not in ("skip", "delay", "skew", "nan"):
+            elif action == "full":
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: full@{point}:{step})")
+            elif action == "corrupt":
+                for f in files:
+                    with open(f, "r+b") as fh:
+                        fh.seek(os.path.getsize(f) // 2)
+                        byte = fh.read(1)
+                        fh.seek(-len(byte), os.SEEK_CUR)
+                        fh.write(bytes([byte[0] ^ 0xFF]) if byte else b"")
+            elif action not in ("skip", "delay", "skew", "nan", "fail"):
                 raise ValueError(f"MEGASCALE_INJECT: unknown fault {action!r}")
 
 
