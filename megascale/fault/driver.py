@@ -49,6 +49,7 @@ from megascale.fault import blocklist
 from megascale.fault.heartbeat import read_heartbeats
 
 _log = logging.getLogger("megascale.launch")
+JOIN_TIMEOUT_S = 120  # how long a host waits for the others in a rendezvous round
 
 
 def _say(msg: str) -> None:
@@ -79,11 +80,54 @@ def make_agent_class():
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            self._tolerate_store_outages(self._worker_group.spec.rdzv_handler)
             self._store = None
             self._store_at = None
             self._progress: dict[int, tuple[int, float]] = {}  # rank -> (step, when it last changed)
             self._intervals: list[float] = []  # seconds per step seen in the beats (the auto hang timeout)
+            self._healthy = False  # the last monitor tick found the workers healthy
             self.events: list[dict] = []
+
+        # ---------------------------------------------------------------- the rendezvous store
+
+        def _tolerate_store_outages(self, handler) -> None:
+            """A link down for a few seconds, or the store's host busy, is no reason to end this host's part
+            of the job: elastic asks the rendezvous store every monitor tick whether hosts wait to join, and
+            raises on the first failed call. Here that reads as "none wait" (the workers' own faults are
+            still seen through their exits and heartbeats)."""
+            from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+            asked = handler.num_nodes_waiting
+
+            def num_nodes_waiting() -> int:
+                try:
+                    return asked()
+                except RendezvousConnectionError:
+                    self._store_unreachable("asking who waits to join")
+                    return 0
+
+            handler.num_nodes_waiting = num_nodes_waiting
+
+        def _store_unreachable(self, doing: str) -> None:
+            now = time.monotonic()
+            if now - getattr(self, "_said_unreachable", -1e9) > 10:  # a line per 10 s, not per tick
+                self._said_unreachable = now
+                _say(f"the rendezvous store is unreachable ({doing}); retrying")
+
+        def _rendezvous(self, worker_group) -> None:
+            # a new round right after a fault may find the store out of reach for a while (the link that
+            # failed, the store's host restarting): retry for the join timeout, then fail as elastic does
+            from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            while True:
+                try:
+                    return super()._rendezvous(worker_group)
+                except RendezvousConnectionError:
+                    if time.monotonic() > deadline:
+                        raise
+                    self._store_unreachable("joining the next round")
+                    time.sleep(2.0)
 
         # ---------------------------------------------------------------- monitoring
 
@@ -113,6 +157,7 @@ def make_agent_class():
             if why is not None:
                 self._event("hang" if "no new step" in why else "no heartbeat", why)
                 return RunResult(state=WorkerState.UNHEALTHY)
+            self._healthy = True  # if elastic restarts now, it is for a host waiting to join
             return result
 
         def _client(self, worker_group, attempt: int):
@@ -178,6 +223,10 @@ def make_agent_class():
             if self.multi_host and blocklist.entry(self.run_dir, self.host) is not None:
                 self._evicted(worker_group)
                 raise HostEvicted(self.host)
+            if self._healthy:  # elastic's own restart: a membership change, not counted as a restart
+                _say("membership: a host waits to join (restarted, a replacement, or after a fault it saw "
+                     "first); restarting the job to take it in")
+            self._healthy = False
             super()._restart_workers(worker_group)
 
         def _evicted(self, worker_group) -> None:
@@ -248,7 +297,7 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
     # last call: once MIN hosts are in, how long a round waits for more (a MIN:MAX job's hosts start with
     # some skew, and a round closed early would run smaller than it could)
     last_call = 2 if min_nodes == max_nodes else 10
-    rdzv = {"join_timeout": 120, "last_call_timeout": last_call, "close_timeout": 10}
+    rdzv = {"join_timeout": JOIN_TIMEOUT_S, "last_call_timeout": last_call, "close_timeout": 10}
     if max_nodes > 1:
         # Elastic shares the rendezvous TCPStore with the workers and publishes its address once, in the
         # first round: a host that joins a later round (a machine restarted after a crash) then waits

@@ -5,8 +5,8 @@
     hb.log("step 12: val loss 2.40")                # the last line said, for the driver's status
     hb.stop(status="done")
 
-The record is one JSON value at key `megascale/<attempt>/hb/<rank>` of the launcher's store
-(the TCPStore of torch.distributed.elastic's agent, which every worker already joins): step,
+The record is one JSON value at key `megascale/<attempt>/hb/<rank>` of the job's store (the
+TCPStore every worker already joins: elastic's agent's, or in a multi-host job rank 0's): step,
 loss, tokens/s, status, the last log line, the bytes its collectives moved, the wall time of the
 beat, host and pid. A thread writes it, on a store client of its own (the training thread's client
 is not shared across threads), so a rank that is computing, restoring or blocked in a collective
@@ -32,10 +32,16 @@ def heartbeat_key(attempt: int, rank: int) -> str:
 
 
 def agent_store_address() -> tuple[str, int] | None:
-    """The launcher's store (host, port) when this process was started by an elastic agent."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    """The job's store (host, port) when an elastic agent started this process: the agent's own, or, in a
+    multi-host `megascale launch` job (per-round stores, TORCHELASTIC_USE_AGENT_STORE=False), the one
+    rank 0 serves for this round at MASTER_ADDR:MASTER_PORT, which the agents read the beats from."""
+    env = os.environ
+    ours = env.get("MEGASCALE_LAUNCH") == "1" and "TORCHELASTIC_RESTART_COUNT" in env
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not ours:
         return None
-    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return None
+    return env["MASTER_ADDR"], int(env["MASTER_PORT"])
 
 
 class HeartbeatWriter:
