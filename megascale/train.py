@@ -395,6 +395,9 @@ class Trainer:
                     break
             interrupted = self._stopping() is not None
             if self.step > start_step or interrupted:
+                # no more steps: the driver's frozen-step check is for training (the final save, the
+                # wait for storage may take longer than a step; the observe watchdog still guards it)
+                self.heartbeat.update(status="saving")
                 path = self.save(final=True)
                 for ev in self.checkpoints.events():
                     logger.log("persist", ev)

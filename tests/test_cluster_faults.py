@@ -32,7 +32,7 @@ JOB = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len
        "train.global_batch=8", "train.micro_batch=2", "train.steps=14", "train.eval_interval=0",
        "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0", "log.peak_flops=1e9",
        "checkpoint.interval=0", "checkpoint.memory_interval=2", "parallel.dp=2", "parallel.tp=2",
-       "train.dtype=fp64", "fault.heartbeat_interval_s=1", "fault.heartbeat_timeout_s=5",
+       "train.dtype=fp64", "fault.heartbeat_interval_s=1", "fault.heartbeat_timeout_s=8",
        "fault.hang_timeout_s=10", "fault.selfcheck_min_speed=0", "distributed.timeout_s=120"]
 
 
@@ -249,4 +249,29 @@ def test_a_link_down_longer_than_the_hang_timeout_is_recovered_exactly(request, 
     logs = _logs(run)
     assert codes == [0, 0], logs[-4000:]
     assert "restart 1 of 3" in logs, logs[-4000:]
+    _equal(run, reference)
+
+
+def test_a_redis_store_restarted_mid_run_serves_the_next_restart(request, tmp_path, data, reference):
+    cluster = make_cluster(request, hosts=2)
+    url = cluster.start_store("redis", host=0)
+    run = tmp_path / "run"
+    # the ranks meet through a Redis outside the job; it crashes (its keys gone) and is started again
+    # mid-run, then host 1's workers die: the restart meets through the new Redis
+    faults = f"delay@forward:0.3,kill@step:9:host={cluster.addr(1)}"
+    agents = [_agent(cluster, h, run, data, faults, job="redis", extra=(f"distributed.store={url}",))
+              for h in (0, 1)]
+    metrics = run / "metrics.jsonl"
+    deadline, steps = time.time() + 240, 0
+    while time.time() < deadline and steps < 4:
+        steps = len(read_metrics(metrics, "train")) if metrics.exists() else 0
+        time.sleep(0.2)
+    cluster.stop_store(url)
+    assert cluster.start_store("redis", host=0) == url
+    assert 4 <= steps < 9, f"the store must restart before the crash (after {steps} steps)"
+    codes = _wait(agents)
+    logs = _logs(run)
+    assert codes == [0, 0], logs[-4000:]
+    where = url.split("//")[1].rsplit("/", 1)[0]
+    assert "restart 1 of 3" in logs and f"redis at {where}" in logs, logs[-4000:]
     _equal(run, reference)

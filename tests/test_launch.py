@@ -28,7 +28,7 @@ JOB = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len
        "train.global_batch=8", "train.micro_batch=2", "train.steps=14", "train.eval_interval=0",
        "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0", "log.peak_flops=1e9",
        "checkpoint.interval=0", "checkpoint.memory_interval=2", "parallel.dp=2", "train.dtype=fp64",
-       "fault.heartbeat_interval_s=1", "fault.heartbeat_timeout_s=5", "fault.hang_timeout_s=10",
+       "fault.heartbeat_interval_s=1", "fault.heartbeat_timeout_s=8", "fault.hang_timeout_s=10",
        "fault.selfcheck_min_speed=0"]  # correctness checks only: this machine is shared, its speed varies
 
 

@@ -29,14 +29,17 @@ from megascale.errors import UserError
 
 def job_identity(job_id: str = "") -> tuple[str, int]:
     """(job id, attempt): distributed.job_id, else the launcher's run id, else MASTER_ADDR:MASTER_PORT;
-    and the launcher's restart count. Plain multi-node torchrun's run id is "none" for every job: that
-    is no id (two such jobs on one Redis would read each other's keys)."""
+    and the rendezvous round or the launcher's restart count. Plain multi-node torchrun's run id is
+    "none" for every job: that is no id (two such jobs on one Redis would read each other's keys)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id.lower() == "none":
         run_id = ""
     job = job_id or run_id or \
         f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '0')}"
-    return job, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    # the attempt: `megascale launch`'s rendezvous round, the same on every host (an agent's restart count
+    # is its own: elastic restarts a healthy host for a joining one without counting it, and two rounds
+    # with one count would share keys); else the launcher's restart count
+    return job, int(os.environ.get("MEGASCALE_ROUND") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def claim_job(store: dist.Store, job: str, attempt: int, rank: int) -> None:

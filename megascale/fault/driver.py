@@ -68,21 +68,21 @@ class HostEvicted(Exception):
 
 def make_agent_class():
     """The agent class (imported lazily: torch.distributed.elastic is heavy)."""
-    import torch.distributed as dist
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     class MegaScaleAgent(LocalElasticAgent):
         fault: FaultConfig = FaultConfig()
         multi_host = False  # --nnodes MAX > 1
+        beat_store = None  # this host's beat store (a TCPStore server on 127.0.0.1, in this process)
         host = ""  # this host's id (MEGASCALE_HOST_ID)
         run_dir = ""  # the run's directory: its blocklist
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._tolerate_store_outages(self._worker_group.spec.rdzv_handler)
-            self._store = None
-            self._store_at = None
+            self._store_at = None  # the worker generation _progress is about
+            self._generation = 0  # worker starts on this host: the beats' key (MEGASCALE_BEAT_GEN)
             self._progress: dict[int, tuple[int, float]] = {}  # rank -> (step, when it last changed)
             self._intervals: list[float] = []  # seconds per step seen in the beats (the auto hang timeout)
             self._healthy = False  # the last monitor tick found the workers healthy
@@ -108,6 +108,14 @@ def make_agent_class():
 
             handler.num_nodes_waiting = num_nodes_waiting
 
+        @staticmethod
+        def _export_round(worker_group) -> None:
+            """The workers' attempt number for keys in a shared store (distributed/store.py job_identity):
+            the rendezvous round, which every host agrees on (private API; absent, the restart count)."""
+            state = getattr(getattr(worker_group.spec.rdzv_handler, "_state_holder", None), "state", None)
+            if isinstance(getattr(state, "round", None), int):
+                os.environ["MEGASCALE_ROUND"] = str(state.round)
+
         def _store_unreachable(self, doing: str) -> None:
             now = time.monotonic()
             if now - getattr(self, "_said_unreachable", -1e9) > 10:  # a line per 10 s, not per tick
@@ -122,7 +130,11 @@ def make_agent_class():
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             while True:
                 try:
-                    return super()._rendezvous(worker_group)
+                    super()._rendezvous(worker_group)
+                    self._export_round(worker_group)
+                    self._generation += 1  # the workers about to start beat under a key of their own
+                    os.environ["MEGASCALE_BEAT_GEN"] = str(self._generation)
+                    return
                 except RendezvousConnectionError:
                     if time.monotonic() > deadline:
                         raise
@@ -132,6 +144,7 @@ def make_agent_class():
         # ---------------------------------------------------------------- monitoring
 
         def _monitor_workers(self, worker_group):
+            self._healthy = False
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
                 codes = {f.exitcode for f in result.failures.values()}
@@ -160,27 +173,15 @@ def make_agent_class():
             self._healthy = True  # if elastic restarts now, it is for a host waiting to join
             return result
 
-        def _client(self, worker_group, attempt: int):
-            # a new client for each attempt: a restart may serve the same address from a new store server,
-            # and a client of the old one would only read errors (which read as "no news")
-            at = (worker_group.master_addr, worker_group.master_port, attempt)
-            if self._store is None or self._store_at != at:
-                self._store = dist.TCPStore(at[0], at[1], is_master=False,
-                                            timeout=datetime.timedelta(seconds=10))
-                self._store_at = at
-                self._progress.clear()
-            return self._store
-
         def _check_beats(self, worker_group) -> str | None:
-            attempt = worker_group.spec.max_restarts - self._remaining_restarts
-            try:
-                store = self._client(worker_group, attempt)
-            except (RuntimeError, ValueError):
-                return None  # the store is gone: the workers will fail on it and be restarted
+            if self.beat_store is None:
+                return None
+            if self._store_at != self._generation:  # new workers: forget the old ones' progress
+                self._store_at = self._generation
+                self._progress.clear()
             ranks = [w.global_rank for w in worker_group.workers]
-            beats = read_heartbeats(store, attempt, ranks)
-            if beats is None:  # the client broke: reconnect at the next tick
-                self._store = None
+            beats = read_heartbeats(self.beat_store, self._generation, ranks)
+            if beats is None:
                 return None
             now, f = time.time(), self.fault
             for rank, beat in beats.items():
@@ -262,13 +263,30 @@ def make_agent_class():
     return MegaScaleAgent
 
 
+def _beat_store():
+    """This host's beat store: a TCPStore server in the agent's process on 127.0.0.1 (a free port), whose
+    address the workers inherit (MEGASCALE_BEAT_STORE). Beats stay on the host, outlive every worker
+    generation and need nothing of the job's store. None if it cannot be made (no beats then)."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=10))
+    except (RuntimeError, ValueError) as e:
+        _say(f"no heartbeat store on this host ({e}): hangs and stopped workers go unseen")
+        return None
+    os.environ["MEGASCALE_BEAT_STORE"] = f"127.0.0.1:{store.port}"
+    return store
+
+
 @contextmanager
-def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str):
+def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, beat_store):
     """elastic_launch builds a LocalElasticAgent by name; for this call it builds ours."""
     from torch.distributed.launcher import api
 
     cls = make_agent_class()
     cls.fault, cls.multi_host, cls.host, cls.run_dir = fault, multi_host, host, run_dir
+    cls.beat_store = beat_store
     original = api.LocalElasticAgent
     api.LocalElasticAgent = cls
     try:
@@ -323,7 +341,7 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     t0 = time.time()
     try:
-        with _our_agent(fault, max_nodes > 1, host, run_dir):
+        with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store()):
             elastic_launch(config, entrypoint=sys.executable)("-m", "megascale", "train", *train_argv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}

@@ -5,8 +5,9 @@
     hb.log("step 12: val loss 2.40")                # the last line said, for the driver's status
     hb.stop(status="done")
 
-The record is one JSON value at key `megascale/<attempt>/hb/<rank>` of the job's store (the
-TCPStore every worker already joins: elastic's agent's, or in a multi-host job rank 0's): step,
+The record is one JSON value at key `megascale/<generation>/hb/<rank>` of the beat store that this
+host's `megascale launch` agent serves on 127.0.0.1 (so beats never cross hosts, and do not depend
+on the job's store, which may be Redis or a round's TCPStore that dies with the workers): step,
 loss, tokens/s, status, the last log line, the bytes its collectives moved, the wall time of the
 beat, host and pid. A thread writes it, on a store client of its own (the training thread's client
 is not shared across threads), so a rank that is computing, restoring or blocked in a collective
@@ -32,16 +33,22 @@ def heartbeat_key(attempt: int, rank: int) -> str:
 
 
 def agent_store_address() -> tuple[str, int] | None:
-    """The job's store (host, port) when an elastic agent started this process: the agent's own, or, in a
-    multi-host `megascale launch` job (per-round stores, TORCHELASTIC_USE_AGENT_STORE=False), the one
-    rank 0 serves for this round at MASTER_ADDR:MASTER_PORT, which the agents read the beats from."""
+    """Where to beat: under `megascale launch` its agent's own beat store on this host
+    (MEGASCALE_BEAT_STORE, host:port), whatever the job's store is (a round's TCPStore, Redis); under
+    plain torchrun its agent store (nobody reads the beats there; they cost nothing)."""
     env = os.environ
-    ours = env.get("MEGASCALE_LAUNCH") == "1" and "TORCHELASTIC_RESTART_COUNT" in env
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not ours:
-        return None
-    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+    if env.get("MEGASCALE_BEAT_STORE"):
+        host, _, port = env["MEGASCALE_BEAT_STORE"].rpartition(":")
+        return host, int(port)
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+
+
+def beat_generation() -> int:
+    """The key's first part: `megascale launch`'s count of worker starts on this host (a membership restart
+    starts new workers with the same restart count, and they must not inherit the old ones' beats)."""
+    return int(os.environ.get("MEGASCALE_BEAT_GEN") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class HeartbeatWriter:
@@ -51,7 +58,7 @@ class HeartbeatWriter:
                                       "step": 0, "status": "starting", "loss": None, "tokens_per_s": None,
                                       "last_log": ""}
         self._bytes = bytes_moved or (lambda: 0)
-        self._attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._attempt = beat_generation()
         self._stop = threading.Event()
         self._store = None
         self._thread = None

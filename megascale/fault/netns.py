@@ -356,6 +356,7 @@ class SimCluster:
             raise RuntimeError(f"namespaces named {self.id}-* exist already (`ip netns list`)")
         self.subnet = self._pick_subnet()
         self.procs: list[tuple[int, subprocess.Popen]] = []  # every process started, with its host
+        self.stores: dict[str, subprocess.Popen] = {}  # url -> the store server start_store started
         self._lock = threading.RLock()  # close() may be re-entered from a signal handler: reentrant
         self._closed = False
         self._watchdog: subprocess.Popen | None = None
@@ -602,11 +603,18 @@ class SimCluster:
             url, ready = f"redis://{addr}:{port}/0", "Ready to accept connections"
         else:
             raise ValueError(f"store kind must be tcp or redis, got {kind!r}")
-        log = wd / f"store-{kind}-h{host}-{port}.log"
+        log = wd / f"store-{kind}-h{host}-{port}-{time.time_ns()}.log"  # a restarted store: a new log
         with open(log, "wb") as f:
             p = self.popen(host, argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
         _wait_for_text(p, log, ready, timeout)
+        self.stores[url] = p
         return url
+
+    def stop_store(self, url: str) -> None:
+        """Kill the store start_store returned `url` for (SIGKILL: a crash, its keys are gone)."""
+        p = self.stores.pop(url)
+        _killpg(p)
+        p.wait(timeout=10)
 
     # -- probing and measuring
 
