@@ -275,3 +275,16 @@ def test_a_redis_store_restarted_mid_run_serves_the_next_restart(request, tmp_pa
     where = url.split("//")[1].rsplit("/", 1)[0]
     assert "restart 1 of 3" in logs and f"redis at {where}" in logs, logs[-4000:]
     _equal(run, reference)
+
+
+def test_a_stopped_host_is_seen_by_its_own_beats_and_recovered_exactly(request, tmp_path, data, reference):
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    # host 1's workers SIGSTOP themselves at step 7 (a frozen machine): their beats stop, and host 1's agent,
+    # reading its own beat store, restarts; host 0's workers, blocked on them, are restarted with it
+    codes = _wait([_agent(cluster, h, run, data, f"stop@step:7:host={cluster.addr(1)}", job="stop")
+                   for h in (0, 1)])
+    logs = _logs(run)
+    assert codes == [0, 0], logs[-4000:]
+    assert re.search(r"no heartbeat: rank [23] \(pid \d+\) sent no heartbeat", logs), logs[-4000:]
+    _equal(run, reference)
