@@ -41,6 +41,9 @@ class ModelConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     recompute: bool = False  # activation recomputation per block: memory for compute
+    # fused operators (megascale/ops/): add + norm, bias + GeLU, SwiGLU, rotary, and a head +
+    # cross-entropy chunked over tokens that never holds the full logits; the same function
+    fused_ops: bool = False
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
@@ -363,6 +366,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"model.window: window {m.window} is larger than model.seq_len={m.seq_len}")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout: must be in [0, 1), got {m.dropout}")
+    if not isinstance(m.fused_ops, bool):
+        raise ConfigError(f"model.fused_ops: must be true or false, got {m.fused_ops!r}")
 
     _choice("optim.name", o.name, ("adamw", "lamb"))
     _choice("optim.schedule", o.schedule, ("cosine", "constant"))

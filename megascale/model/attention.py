@@ -19,6 +19,7 @@ from megascale.config import ModelConfig
 from megascale.model.factory import LayerFactory, current_stream, forked_rng
 from megascale.model.rotary import Rotary
 from megascale.ops.attention import causal_attention, sliding_window_attention
+from megascale.ops.rotary import apply_rotary
 
 
 class Attention(nn.Module):
@@ -34,6 +35,7 @@ class Attention(nn.Module):
         # One Rotary shared by all layers (named_modules/named_buffers list it once); a
         # pipeline stage holding only some blocks still carries it along.
         self.rotary = rotary
+        self.fused_rotary = cfg.fused_ops  # Rotary's arithmetic as one op (megascale/ops/rotary.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -44,7 +46,10 @@ class Attention(nn.Module):
         # and the backward of split is one cat straight into the qkv gradient's layout.
         qkv = qkv.view(b, s, -1, 3 * self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.split(self.head_dim, dim=-1))
-        if self.rotary is not None:
+        if self.rotary is not None and self.fused_rotary:
+            cos, sin = self.rotary.cos[:s], self.rotary.sin[:s]
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        elif self.rotary is not None:
             q, k = self.rotary(q), self.rotary(k)
         dropout = self.dropout if self.training else 0.0
         stream = current_stream() if dropout else None

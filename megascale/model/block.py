@@ -19,6 +19,7 @@ from megascale.model.attention import Attention
 from megascale.model.factory import DropoutStream, LayerFactory, current_stream, dropout, use_stream
 from megascale.model.mlp import GeluMLP, SwiGLU
 from megascale.model.rotary import Rotary
+from megascale.ops.norms import add_norm
 
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
@@ -32,6 +33,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, factory: LayerFactory, rotary: Rotary | None = None):
         super().__init__()
         self.parallel = cfg.block == "parallel"
+        self.fused = cfg.fused_ops
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg, factory, rotary)
         self.norm2 = make_norm(cfg)
@@ -52,6 +54,9 @@ class Block(nn.Module):
             h = self.branch_in(x)
             branches = self.drop_attn(self.attn(self.norm1(h))) + self.drop_mlp(self.mlp(self.norm2(h)))
             return x + self.branch_out(branches)
+        if self.fused:  # the residual add and norm2 in one op (megascale/ops/norms.py): same h, same norm
+            h, y = add_norm(x, self.drop_attn(self.attn(self.norm1(x))), self.norm2)
+            return h + self.drop_mlp(self.mlp(y))
         h = x + self.drop_attn(self.attn(self.norm1(x)))
         return h + self.drop_mlp(self.mlp(self.norm2(h)))
 

@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megascale.ops.cross_entropy import chunked_cross_entropy
+
 LINEAR_STYLES = ("column", "row", "head")
 EMBEDDING_STYLES = ("vocab", "position")
 
@@ -69,6 +71,18 @@ class LayerFactory:
 
         def loss(logits, targets):
             return F.cross_entropy(logits, targets, ignore_index=ignore_index)
+
+        return loss
+
+    def fused_cross_entropy(self, vocab_size: int, ignore_index: int = -1):
+        """model.fused_ops: the head's matmul and the loss in one op, chunked over tokens, that never
+        holds the full logits (megascale/ops/cross_entropy.py): (hidden (b, s, d), head, targets
+        (b, s)) -> mean cross-entropy, equal to cross_entropy(head(hidden), targets).
+
+        Tensor parallelism returns the vocab-parallel chunked loss instead."""
+
+        def loss(hidden, head, targets):
+            return chunked_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten(), ignore_index)
 
         return loss
 

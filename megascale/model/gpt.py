@@ -46,6 +46,9 @@ class GPT(nn.Module):
         self.cfg = cfg
         factory = factory or LayerFactory()
         self.loss_fn = factory.cross_entropy(cfg.vocab_size, IGNORE_INDEX)
+        # model.fused_ops: head + loss chunked over tokens (never the full logits); see forward
+        self.fused_loss_fn = (factory.fused_cross_entropy(cfg.vocab_size, IGNORE_INDEX) if cfg.fused_ops
+                              else None)
         self.embed = Embedding(cfg, factory)
         rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if cfg.style == "llama" else None
         self.blocks = nn.ModuleList(Block(cfg, factory, rotary) for _ in range(cfg.n_layers))
@@ -108,9 +111,13 @@ class GPT(nn.Module):
 
         Targets equal to IGNORE_INDEX (-1) do not count. The logits of the loss path are not
         kept: autograd saves only cross_entropy's log-probabilities, and the head's backward
-        needs the hidden states, not its output.
+        needs the hidden states, not its output. With model.fused_ops the head and the loss run
+        together in chunks of tokens and not even the full logits exist (ops/cross_entropy.py).
         """
-        logits = self.head(self.body(idx))
+        hidden = self.body(idx)
+        if targets is not None and self.fused_loss_fn is not None:
+            return self.fused_loss_fn(hidden, self.head, targets)
+        logits = self.head(hidden)
         if targets is None:
             return logits
         return self.loss_fn(logits.flatten(0, 1), targets.flatten())

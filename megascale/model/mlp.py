@@ -8,6 +8,7 @@ from torch import nn
 
 from megascale.config import ModelConfig
 from megascale.model.factory import LayerFactory
+from megascale.ops.activations import linear_bias_gelu, swiglu
 
 
 class GeluMLP(nn.Module):
@@ -21,8 +22,14 @@ class GeluMLP(nn.Module):
         super().__init__()
         self.fc_in = factory.linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias, style="column")
         self.fc_out = factory.linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias, style="row")
+        # model.fused_ops: fc_in's matmul run here, its bias added inside the fused GeLU (Megatron's
+        # skip_bias_add; ops/activations.py). Tensor parallelism then brings the input in at the
+        # MLP's entry instead of inside fc_in (apply_tp.gather_before_mlp); same parameters.
+        self.fused_bias_gelu = cfg.fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_bias_gelu:
+            return self.fc_out(linear_bias_gelu(x, self.fc_in.weight, self.fc_in.bias))
         return self.fc_out(F.gelu(self.fc_in(x)))
 
 
@@ -37,7 +44,10 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.fc_in = factory.linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False, style="column")
         self.fc_out = factory.linear(cfg.ffn_dim, cfg.d_model, bias=False, style="row")
+        self.fused = cfg.fused_ops  # silu(gate) * up as one op (megascale/ops/activations.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.fc_out(swiglu(self.fc_in(x)))
         gate, up = self.fc_in(x).unflatten(-1, (-1, 2)).unbind(-1)
         return self.fc_out(F.silu(gate) * up)

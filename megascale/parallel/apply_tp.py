@@ -25,9 +25,11 @@ from torch import Tensor, nn
 
 from megascale.config import ConfigError, ModelConfig
 from megascale.model.factory import EMBEDDING_STYLES, LINEAR_STYLES, Dropout, LayerFactory
+from megascale.ops.cross_entropy import vocab_parallel_chunked_cross_entropy
 from megascale.parallel import comm
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.tp_layers import (
+    INPUT_MODES,
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceParallelPositions,
@@ -88,6 +90,19 @@ class TPLayerFactory(LayerFactory):
 
         return loss
 
+    def fused_cross_entropy(self, vocab_size: int, ignore_index: int = -1):
+        """model.fused_ops: the vocab-parallel head and loss chunked over tokens (ops/cross_entropy.py).
+
+        The head's input stage (copy, or the sequence all-gather under SP) runs here as the head
+        would run it; its backward sums the loss's partial input gradient over tp."""
+
+        def loss(hidden: Tensor, head: nn.Module, targets: Tensor) -> Tensor:
+            x = INPUT_MODES[head.input_mode](hidden, self.mesh)
+            return vocab_parallel_chunked_cross_entropy(x.flatten(0, 1), head.weight, targets.flatten(),
+                                                        self.mesh, vocab_size, ignore_index)
+
+        return loss
+
 
 class BranchIn(nn.Module):
     """Entry of a region shared by several column layers: one all-gather (SP) or one copy."""
@@ -129,6 +144,9 @@ def parallelize(model: nn.Module, factory: TPLayerFactory, fuse_parallel_block: 
         elif sp:
             gather_before_attention(block.attn, mesh)
             mark_dropout_split(block)  # the branch outputs are reduce-scattered: 1/tp of the sequence
+    for block in getattr(model, "blocks", ()) if mesh.tp > 1 else ():
+        if getattr(block.mlp, "fused_bias_gelu", False):
+            gather_before_mlp(block.mlp, mesh)
     if sp and getattr(model, "embed", None) is not None:
         mark_dropout_split(model.embed)  # the embedding is reduce-scattered too
     return model
@@ -152,6 +170,19 @@ def gather_before_attention(attn: nn.Module, mesh: Mesh) -> None:
     """
     attn.qkv.input_mode = "none"
     attn.register_forward_pre_hook(lambda module, args: (comm.gather_seq(args[0], mesh), *args[1:]))
+
+
+def gather_before_mlp(mlp: nn.Module, mesh: Mesh) -> None:
+    """model.fused_ops: fc_in's input stage (copy or sequence all-gather) at the MLP's entry.
+
+    The fused GeLU MLP runs fc_in's matmul itself, without the bias, and adds the bias inside the
+    fused GeLU (model/mlp.py); the collective fc_in would run on entry runs here instead, the
+    same one at the same point. Nothing to do where a shared region brings the input in already.
+    """
+    mode = mlp.fc_in.input_mode
+    if mode != "none":
+        mlp.fc_in.input_mode = "none"
+        mlp.register_forward_pre_hook(lambda module, args: (INPUT_MODES[mode](args[0], mesh), *args[1:]))
 
 
 def fuse_branches(block: nn.Module, mesh: Mesh, sequence_parallel: bool) -> None:

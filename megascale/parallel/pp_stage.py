@@ -132,6 +132,8 @@ class PipelineStage(nn.Module):
         self.first_chunk = 0 if mesh.is_first_stage else None  # the chunk holding the embedding
         self.last_chunk = vpp - 1 if mesh.is_last_stage else None  # the chunk holding norm, head, loss
         self.loss_fn = factory.cross_entropy(cfg.vocab_size, IGNORE_INDEX)
+        self.fused_loss_fn = (factory.fused_cross_entropy(cfg.vocab_size, IGNORE_INDEX) if cfg.fused_ops
+                              else None)  # model.fused_ops: as GPT.forward
         self.embed = Embedding(cfg, factory) if mesh.is_first_stage else None
         rotary = Rotary(cfg.head_dim, cfg.seq_len, cfg.rope_theta) if cfg.style == "llama" else None
         self.blocks = Layers({i: Block(cfg, factory, rotary) for layers in self.chunk_layers for i in layers})
@@ -162,6 +164,8 @@ class PipelineStage(nn.Module):
             x = run_block(self.blocks[i], x, recompute)
         if chunk != self.last_chunk:
             return x
+        if self.fused_loss_fn is not None:
+            return self.fused_loss_fn(self.norm(x), self.head, targets)
         logits = self.head(self.norm(x))
         return self.loss_fn(logits.flatten(0, 1), targets.flatten())
 
