@@ -116,6 +116,9 @@ class DataConfig:
     # [[weight, prefix], ...]: train on several datasets (either format) mixed by weight, in a fixed,
     # resumable order (megascale/data/blend.py); replaces path and source. []: just `path`
     blend: list = field(default_factory=list)
+    # one reader per host: its lowest rank reads every local replica's rows once into shared memory and the
+    # host's ranks copy theirs out (megascale/data/shared_loader.py); false: every rank reads its own
+    shared_loader: bool = True
 
 
 @dataclass
@@ -416,6 +419,8 @@ def validate(cfg: Config) -> None:
     if not d.path:
         raise ConfigError("data.path: must name the dataset prefix (<path>.bin / <path>.idx)")
     _validate_blend(d)
+    if not isinstance(d.shared_loader, bool):
+        raise ConfigError(f"data.shared_loader: must be true or false, got {d.shared_loader!r}")
 
     ds = cfg.distributed
     if ds.store not in ("tcp", "tcp-legacy") and not ds.store.startswith("redis://"):

@@ -45,7 +45,8 @@ import torch
 from megascale.checkpoint import CheckpointManager, RestoreInfo, rng_state, set_rng_state
 from megascale.checkpoint.rundir import RunDirLock, archive_previous_run
 from megascale.config import Config, ConfigError, check_world_size
-from megascale.data import BatchLoader, build_tokenizer, ensure_dataset, open_splits
+from megascale.data import build_tokenizer, ensure_dataset, open_splits
+from megascale.data.shared_loader import build_loader
 from megascale.distributed.init import (
     agree_on_user_errors,
     create_mesh,
@@ -153,8 +154,8 @@ class Trainer:
         self.n_micro = self.engine.n_micro  # micro-batches per step on each dp rank
         with torch.device("meta"):  # the one-process count (a tied matrix once), no memory, no collective
             self._num_params = GPT(m).num_params()
-        self.loader = BatchLoader(self.train_samples, t.global_batch, seed=cfg.data.seed,
-                                  dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp, prefetch=2)
+        # this dp rank's rows; data.shared_loader: one reader per host (collective)
+        self.loader = build_loader(cfg, self.train_samples, self.mesh, self.device)
         self.step = 0
 
         # --- the newest complete state (host memory, else storage), from any layout

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -55,6 +56,10 @@ class BatchLoader:
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        # what loading cost this process: rows and bytes read from the dataset, CPU seconds of the thread
+        # that read them (the prefetch thread; shared_loader.py's producer), CPU seconds of the caller
+        # inside next_batch (with prefetch=0 the reads themselves too); benchmarks/shared_loader.py
+        self.stats = {"rows_read": 0, "bytes_read": 0, "load_cpu_s": 0.0, "next_cpu_s": 0.0}
 
     # ---- order
 
@@ -107,12 +112,22 @@ class BatchLoader:
         # NumPy only: this runs on the prefetch thread, and a torch op there starts a second
         # OpenMP team that competes with the training thread's matmuls for the same cores
         # (measured: +10-25% step time on 2 cores). The main thread wraps the arrays for free.
+        c0 = time.thread_time()
         indices = self.stream_indices(position, self.global_batch)[self.local_slice()]
         tokens = np.asarray(self.samples.batch(indices))
-        return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+        out = np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+        self._count_read(len(indices), time.thread_time() - c0)
+        return out
+
+    def _count_read(self, rows: int, cpu_s: float) -> None:
+        st = self.stats
+        st["rows_read"] += rows
+        st["bytes_read"] += rows * (self.samples.seq_len + 1) * token_bytes(self.samples)
+        st["load_cpu_s"] += cpu_s
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of the next step: int64 [global_batch // dp_size, seq_len] each."""
+        c0 = time.thread_time()
         if self.prefetch <= 0:
             batch = self._load(self.consumed_samples)
         else:
@@ -124,6 +139,7 @@ class BatchLoader:
                 raise batch
             assert position == self.consumed_samples, "prefetch thread out of step"
         self.consumed_samples += self.global_batch
+        self.stats["next_cpu_s"] += time.thread_time() - c0
         return torch.from_numpy(batch[0]), torch.from_numpy(batch[1])
 
     def __iter__(self):
@@ -185,6 +201,16 @@ class BatchLoader:
     def reset(self) -> None:
         """Back to the first sample (e.g. to run the same validation batches at every evaluation)."""
         self.load_state_dict({"consumed_samples": 0})
+
+
+def token_bytes(samples: Any) -> int:
+    """Bytes one token id takes in the dataset file (uint16/uint32 memory map); for a blend, its first
+    dataset's; 8 (int64) for in-memory samples."""
+    parts = getattr(samples, "parts", None)
+    if parts:
+        samples = parts[0]
+    tokens = getattr(getattr(samples, "dataset", None), "tokens", None)
+    return int(tokens.dtype.itemsize) if tokens is not None else 8
 
 
 def _produce(ref: weakref.ref, position: int, out: queue.Queue, stop: threading.Event) -> None:
