@@ -96,7 +96,9 @@ def test_sigterm_saves_and_resumes(corpus, tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / "sig" / "metrics.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count("\n") < 3):
+    # three steps done (not three lines: the start-up, layout and peak records come before any step)
+    while time.time() < deadline and (not metrics.exists()
+                                      or metrics.read_text().count('"kind": "train"') < 3):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)

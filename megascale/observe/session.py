@@ -34,10 +34,13 @@ from megascale.parallel.mesh import Mesh, group_ranks, mesh_group_kinds
 
 
 def rank_groups(mesh: Mesh) -> dict[str, list[int]]:
-    """The members (global ranks) of every group this rank is in, by kind; "world" first."""
+    """The members (global ranks) of every group this rank is in, by kind; "world" first. A rank is in no
+    group of some kinds (the tied-embedding group "emb" holds only the first and last pipeline stages)."""
     out = {"world": list(range(mesh.world_size))}
     for kind in mesh_group_kinds(mesh.dp, mesh.pp, mesh.tp):
-        out[kind] = next(g for g in group_ranks(mesh.dp, mesh.pp, mesh.tp, kind) if mesh.rank in g)
+        mine = next((g for g in group_ranks(mesh.dp, mesh.pp, mesh.tp, kind) if mesh.rank in g), None)
+        if mine is not None:
+            out[kind] = mine
     return out
 
 
