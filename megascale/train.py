@@ -389,7 +389,8 @@ class Trainer:
                     logger.log("persist", ev)
                 slow = self.observer.end_step(s.step, logger)
                 if slow and cfg.fault.evict_stragglers and under_launcher():
-                    self._evict_straggler(slow[0])
+                    # the slowest: on a shared machine a healthy rank is flagged now and then too
+                    self._evict_straggler(max(slow, key=lambda r: (r["slower_by"], -r["rank"])))
                 self.heartbeat.update(step=s.step, loss=s.loss, tokens_per_s=s.tokens_per_s,
                                       status="training")
                 if self._stopping() is not None:
