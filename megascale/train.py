@@ -388,7 +388,10 @@ class Trainer:
                 for ev in self.checkpoints.events():
                     logger.log("persist", ev)
                 slow = self.observer.end_step(s.step, logger)
-                if slow and cfg.fault.evict_stragglers and under_launcher():
+                # only a host among others: a job on one host has nowhere to go without it (and a
+                # shrunk job's two tp peers flag each other on a noisy machine)
+                if slow and cfg.fault.evict_stragglers and under_launcher() \
+                        and len(set(self.observer.hosts)) > 1:
                     # the slowest: on a shared machine a healthy rank is flagged now and then too
                     self._evict_straggler(max(slow, key=lambda r: (r["slower_by"], -r["rank"])))
                 self.heartbeat.update(step=s.step, loss=s.loss, tokens_per_s=s.tokens_per_s,
