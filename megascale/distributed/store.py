@@ -79,8 +79,7 @@ def open_store(spec: str, rank: int, world_size: int, timeout: datetime.timedelt
         try:
             listen = _loopback_listener(host, port) if rank == 0 else None
             store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False,
-                                  multi_tenant=True, use_libuv=libuv,
-                                  master_listen_fd=listen.fileno() if listen else None)
+                                  multi_tenant=True, use_libuv=libuv, master_listen_fd=listen)
         except (RuntimeError, ValueError) as e:
             raise UserError(f"distributed.store: cannot open a TCPStore at {host}:{port} "
                             f"({str(e).splitlines()[0]})") from None
@@ -90,9 +89,9 @@ def open_store(spec: str, rank: int, world_size: int, timeout: datetime.timedelt
     if rank == 0:
         address = _my_address(host)
         listen = _loopback_listener(address, 0)
-        store = dist.TCPStore(address, listen.getsockname()[1] if listen else 0, world_size, True,
-                              timeout=timeout, wait_for_workers=False, use_libuv=libuv,
-                              master_listen_fd=listen.fileno() if listen else None)
+        port = _bound_port(listen) if listen is not None else 0
+        store = dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                              use_libuv=libuv, master_listen_fd=listen)
         agent.set(key, f"{store.host}:{store.port}")
     else:
         where = agent.get(key).decode()
@@ -109,11 +108,9 @@ def _launcher_store(host: str, port: int, world_size: int, timeout: datetime.tim
     return dist.TCPStore(host, port, world_size, False, timeout=timeout)
 
 
-_LISTENERS: list[socket.socket] = []  # the bound sockets our stores serve on (kept open with them)
-
-
-def _loopback_listener(host: str, port: int) -> socket.socket | None:
-    """A socket listening on the loopback address only, when `host` is a loopback name or address.
+def _loopback_listener(host: str, port: int) -> int | None:
+    """The descriptor of a socket listening on the loopback address only, when `host` is a loopback
+    name or address; the TCPStore it is handed to owns it (and closes it when the store goes).
 
     TCPStore's server, given a host, still listens on every interface: a single-host job would
     take connections from the whole network. Handing it a socket bound to 127.0.0.1 (or ::1) keeps
@@ -135,8 +132,20 @@ def _loopback_listener(host: str, port: int) -> socket.socket | None:
     except OSError:
         sock.close()
         return None  # the port is taken: TCPStore reports that itself, in its own words
-    _LISTENERS.append(sock)
-    return sock
+    # Detached, not kept: TCPStore's server closes the descriptor it is given, so a Python socket still
+    # holding it would close it a second time when collected, perhaps while the server still polls it
+    # (CI: "Unexpected poll revent on the master's listening socket: 32", POLLNVAL, then SIGABRT at exit)
+    # or after the number went to another file.
+    return sock.detach()
+
+
+def _bound_port(fd: int) -> int:
+    """The port a listening descriptor is bound to (a temporary socket object, detached again)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return sock.getsockname()[1]
+    finally:
+        sock.detach()
 
 
 def _my_address(master_addr: str) -> str:
