@@ -12,6 +12,7 @@ would; `torchrun --nproc-per-node N -m megascale train ...` is the same job.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -65,6 +66,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from megascale.train import Trainer
 
     resume = True if args.resume else (False if args.no_resume else None)
+    trainer = None
     try:
         trainer = Trainer(cfg, resume=resume)
         result = trainer.fit()
@@ -88,7 +90,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 print(f"--- sample ({cfg.log.sample_tokens} tokens from {cfg.log.sample_prompt!r}) ---\n"
                       f"{text}\n---")
         return 0
+    except BaseException:
+        if trainer is not None:  # the error that ended the run is the one to report, not one of closing
+            with contextlib.suppress(Exception):
+                trainer.close()
+            trainer = None
+        raise
     finally:
+        # The trainer's threads (heartbeat, trace writer, checkpoint pools) end here, not at interpreter
+        # exit: a daemon thread caught inside a torch call then (a heartbeat's store.set) is unwound
+        # through C++ and aborts the process ("terminate called without an active exception", SIGABRT)
+        # after a run that had finished.
+        if trainer is not None:
+            trainer.close()
         shutdown_distributed()
 
 

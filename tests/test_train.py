@@ -167,3 +167,24 @@ def test_train_without_config_trains_the_cpu_default(tmp_path):
     assert "done: 2 steps" in r.stdout
     config = (tmp_path / "run" / "config.toml").read_text()
     assert "seq_len = 128" in config and "lr = 0.002" in config  # configs/cpu_default.toml's values
+
+
+def test_the_cli_ends_every_thread_of_the_run_before_it_returns(corpus, tmp_path):
+    """`megascale train` closes its Trainer: no trace writer, heartbeat, loader or checkpoint thread is left
+    running into interpreter exit, where a daemon thread inside a torch call aborts the process (CI saw
+    "terminate called without an active exception", SIGABRT, from a finished `--nproc 2` run)."""
+    import threading
+
+    from megascale.cli import main
+
+    before = set(threading.enumerate())
+    args = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.seq_len=32", "train.steps=2",
+            "train.global_batch=8", "train.micro_batch=4", "train.eval_interval=0", "log.progress=false",
+            "log.tensorboard=false", "log.sample_tokens=0", "checkpoint.interval=1",
+            f"data.source={json.dumps(str(corpus))}",
+            f"data.path={json.dumps(str(corpus.parent / 'cache' / 'tiny'))}",
+            f"train.run_dir={json.dumps(str(tmp_path / 'run'))}"]
+    assert main(["train", *args]) == 0
+    # (tqdm's monitor thread is pure Python, shared by every bar of the process, and harmless)
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive() and t.name != "tqdm_monitor"]
+    assert not left, left
