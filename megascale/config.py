@@ -208,6 +208,9 @@ class FaultConfig:
     # a rank flagged as a straggler (observe.straggler_*) has its host evicted, as one failing the
     # self-check is: a replacement or a smaller job goes on without it. Off: stragglers are reported only
     evict_stragglers: bool = False
+    # a hang whose diagnosis (fault/hang.py) names ranks of one host only has that host evicted: the restart
+    # goes on without it. Off: the job restarts with every host, the stuck one included
+    evict_hung_hosts: bool = True
 
 
 @dataclass

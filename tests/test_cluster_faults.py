@@ -212,6 +212,32 @@ def test_a_straggling_host_is_evicted_when_asked_and_the_job_goes_on_without_it(
         torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
 
 
+def test_a_hung_rank_is_named_and_the_job_goes_on_without_its_host(request, tmp_path, data, reference):
+    """The second rank of host 1 blocks in step 7 (a stuck kernel: its threads beat, its step stays): the
+    agents see no new step for the hang timeout, the diagnosis names that rank, its host is evicted, and
+    the job goes on with dp 1 on host 0, ending like the fault-free run."""
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    a1 = cluster.addr(1)
+    agents = [_agent(cluster, h, run, data, f"hang@step:7:host={a1}:local=1", job="hang", nnodes="1:2",
+                     extra=(*_own_memory(tmp_path, h), "parallel.dp=0")) for h in (0, 1)]
+    codes = _wait(agents)
+    logs = _logs(run)
+    assert codes == [0, 4], logs[-4000:]
+    reason = blocklist.entry(run, a1)["reason"]
+    # the culprit named is a rank of host 1 that was in no collective (tp1: the host's second rank) while
+    # the others waited for it
+    assert re.match(rf"hang: rank \d+ \(dp\d pp0 tp1, host {re.escape(a1)}, pid \d+\) is alive but in no "
+                    "collective", reason), reason
+    assert f"evicting host {a1}" in logs, logs[-4000:]
+    assert (run / "trace" / "hang" / "driver_diagnosis.txt").exists()
+    layouts = [r["dp"] for r in read_metrics(run / "metrics.jsonl", "layout")]
+    assert layouts[0] == 2 and layouts[-1] == 1, layouts
+    ref, got = _weights(reference), _weights(run)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+
+
 def test_a_full_disk_and_a_rotten_shard_cost_checkpoints_not_the_run(request, tmp_path, data, reference):
     cluster = make_cluster(request, hosts=2)
     run = tmp_path / "run"
@@ -291,3 +317,42 @@ def test_a_stopped_host_is_seen_by_its_own_beats_and_recovered_exactly(request, 
     assert codes == [0, 0], logs[-4000:]
     assert re.search(r"no heartbeat: rank [23] \(pid \d+\) sent no heartbeat", logs), logs[-4000:]
     _equal(run, reference)
+
+
+def test_a_nan_loss_on_one_host_rolls_the_job_back_like_one_process(request, tmp_path, data, monkeypatch):
+    """Host 1's loss of step 5 turns NaN: the all-reduced loss is NaN on every rank, so every rank rolls
+    back to the step-4 snapshot in host memory and skips the window's batches, with no restart; the run
+    ends like the same rollback in one process (float64, to rounding: dp2 x tp2 sums in another order)."""
+    from megascale.config import load_config
+    from megascale.fault import inject
+    from megascale.train import Trainer
+
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    codes = _wait([_agent(cluster, h, run, data, f"nan@step:5:host={cluster.addr(1)}", job="nan")
+                   for h in (0, 1)])
+    logs = _logs(run)
+    assert codes == [0, 0], logs[-4000:]
+    assert "restart 1 of" not in logs, logs[-4000:]  # rolled back inside the job
+    (rb,) = read_metrics(run / "metrics.jsonl", "rollback")
+    assert rb["step"] == 6 and rb["restored_step"] == 4 and rb["source"] == "memory", rb
+
+    one = tmp_path / "one"
+    monkeypatch.setenv("MEGASCALE_INJECT", "nan@step:5")
+    monkeypatch.setattr(inject, "_FIRED", set())
+    cfg = load_config(ROOT / "configs" / "cpu_default.toml",
+                      [*JOB, "parallel.dp=1", "parallel.tp=1", *data, f"train.run_dir={one}"])
+    t = Trainer(cfg, quiet=True)
+    t.fit()
+    t.close()
+    assert read_metrics(one / "metrics.jsonl", "rollback")[0]["skipped_batches"] == rb["skipped_batches"]
+
+    def losses(r):
+        return [(m["step"], m["loss"]) for m in read_metrics(r / "metrics.jsonl", "train")]
+    want, have = losses(one), losses(run)
+    assert [s for s, _ in want] == [s for s, _ in have]
+    for (step, a), (_, b) in zip(want, have, strict=True):
+        assert abs(a - b) <= 1e-9 * abs(a), step
+    ref, got = _weights(one), _weights(run)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)

@@ -86,5 +86,11 @@ def test_injected_faults_fire_on_their_rank_host_and_attempt(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert inject.here(g, 0) and not inject.here(f._replace(host="h0"), 2)  # step faults: attempt 0 only
     assert inject.here(f._replace(host="h0"), 2, default_attempt=None)
-    with pytest.raises(ValueError, match="'node=1' is not rank=R, host=H or attempt=K"):
+    h, = inject._parse("hang@step:7:host=h0:local=1")  # the second rank of host h0, whatever its rank
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert inject.here(h, 3)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not inject.here(h, 3)
+    with pytest.raises(ValueError, match="'node=1' is not rank=R, host=H, local=L or attempt=K"):
         inject._parse("kill@step:3:node=1")

@@ -10,7 +10,10 @@ it, else storage), when
 
 * a rank sends no heartbeat for `fault.heartbeat_timeout_s` (dead, SIGSTOP'd, GIL-hung), or
 * a rank keeps beating but its step does not move for the hang timeout
-  (`fault.hang_timeout_s`, or by default max(60 s, 20 x the median step)): a hang;
+  (`fault.hang_timeout_s`, or by default max(60 s, 20 x the median step)): a hang. Before its
+  workers are stopped the agent diagnoses it from every rank's in-flight record (fault/hang.py);
+  when the culprits all sit on one host of a multi-host job, that host is evicted (below) and the
+  restart goes on without it (`fault.evict_hung_hosts`, default true);
 
 and, as torchrun does, when a worker exits with an error. A worker that exits 2 (a user error:
 bad config, path, dataset) or 4 (its host failed the self-check that every (re)start begins
@@ -168,7 +171,9 @@ def make_agent_class():
                 return result
             why = self._check_beats(worker_group)
             if why is not None:
-                self._event("hang" if "no new step" in why else "no heartbeat", why)
+                hang = "no new step" in why
+                self._event("hang" if hang else "no heartbeat", f"{why}; {self._judge_hang(worker_group)}"
+                            if hang else why)
                 return RunResult(state=WorkerState.UNHEALTHY)
             self._healthy = True  # if elastic restarts now, it is for a host waiting to join
             return result
@@ -205,6 +210,26 @@ def make_agent_class():
                             f"{now - last[1]:.1f} s (stuck after step {step}; hang timeout {limit:.0f} s)")
             return None
 
+        def _judge_hang(self, worker_group) -> str:
+            """Who the hang waits on (fault/hang.py, read while every rank is still in place); in a multi-host
+            job with one clear culprit host, that host goes on the blocklist, so the restart goes on without
+            it. What to say about it."""
+            from megascale.fault.hang import judge_hang
+
+            try:
+                world = worker_group.workers[0].world_size if worker_group.workers else 0
+                verdict = judge_hang(self.run_dir, world)
+            except Exception as e:  # noqa: BLE001 - a failed diagnosis must not stop the restart
+                return f"the diagnosis failed ({type(e).__name__}: {e})"
+            said = f"diagnosis: {verdict.text}"
+            if verdict.evict is None or not self.multi_host:
+                return said
+            if not self.fault.evict_hung_hosts:
+                return f"{said} (fault.evict_hung_hosts = false: host {verdict.evict} stays)"
+            blocklist.add(self.run_dir, verdict.evict, f"hang: {verdict.text}",
+                          worker_group.spec.rdzv_handler.get_run_id())
+            return f"{said}; evicting host {verdict.evict}"
+
         def _hang_timeout(self) -> float:
             if self.fault.hang_timeout_s > 0:
                 return self.fault.hang_timeout_s
@@ -222,6 +247,7 @@ def make_agent_class():
             # a host on the blocklist never restarts: elastic restarts a healthy-looking group when another
             # host waits in a new round, and an evicted host's workers may not have exited 4 by then
             if self.multi_host and blocklist.entry(self.run_dir, self.host) is not None:
+                self._stop_workers(worker_group)  # a hung host's workers are still there, and deaf to SIGTERM
                 self._evicted(worker_group)
                 raise HostEvicted(self.host)
             if self._healthy:  # elastic's own restart: a membership change, not counted as a restart
@@ -233,8 +259,9 @@ def make_agent_class():
         def _evicted(self, worker_group) -> None:
             self._remaining_restarts = 0
             self._leave_quietly(worker_group.spec.rdzv_handler)
-            _say(f"this host ({self.host}) is evicted (failed self-check or straggler: its line is above), "
-                 f"on the run's blocklist ({blocklist.path(self.run_dir)}); the other hosts go on without it")
+            _say(f"this host ({self.host}) is evicted (failed self-check, straggler or hang: its line is "
+                 f"above), on the run's blocklist ({blocklist.path(self.run_dir)}); the other hosts go on "
+                 "without it")
 
         # ---------------------------------------------------------------- stopping
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
+
+from megascale.fault.inject import host_id
 
 
 def heartbeat_key(attempt: int, rank: int) -> str:
@@ -54,7 +55,7 @@ def beat_generation() -> int:
 class HeartbeatWriter:
     def __init__(self, rank: int, interval_s: float = 2.0, bytes_moved=None):
         self.rank, self.interval_s = rank, interval_s
-        self.state: dict[str, Any] = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+        self.state: dict[str, Any] = {"rank": rank, "host": host_id(), "pid": os.getpid(),
                                       "step": 0, "status": "starting", "loss": None, "tokens_per_s": None,
                                       "last_log": ""}
         self._bytes = bytes_moved or (lambda: 0)

@@ -8,6 +8,9 @@
     MEGASCALE_INJECT="skip@agree:5:rank=2"   rank 2 skips the step-5 loss all-reduce (a bug that
                                              desynchronises the collectives: the job hangs)
     MEGASCALE_INJECT="stop@step:3:rank=5"    rank 5 SIGSTOPs itself at the start of step 3 (a hung host)
+    MEGASCALE_INJECT="hang@step:3:rank=5"    rank 5's training thread blocks for good at the start of step 3
+                                             while its other threads go on (a stuck kernel or a deadlock:
+                                             it beats, it makes no progress, its peers wait for it)
     MEGASCALE_INJECT="nan@step:7"            the loss of step 7 (0-based) becomes NaN, once per process
     MEGASCALE_INJECT="full@write:4"          the step-4 checkpoint's write fails as on a full disk (ENOSPC)
     MEGASCALE_INJECT="corrupt@committed:6:rank=1"  once the step-6 checkpoint is committed, a byte of each
@@ -17,7 +20,8 @@
 
 Several faults are separated by commas. Each may name where and when it fires, after its value:
 `rank=R` (global rank), `host=H` (the host's id, `host_id()`: under `megascale launch` its
---local-addr, so simulated hosts that share one hostname differ) and `attempt=K` (the agent's
+--local-addr, so simulated hosts that share one hostname differ), `local=L` (the local rank: which
+global ranks a host gets is the rendezvous's choice) and `attempt=K` (the agent's
 restart count; default 0, so a restarted job runs clean, as after a real fault). A point in the code
 calls `inject(point, step)` (or asks `skips`, `delays`, `skew_ns`); each costs a dict lookup when
 nothing is set.
@@ -29,17 +33,19 @@ import errno
 import os
 import signal
 import socket
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
 
 class Fault(NamedTuple):
-    action: str  # kill, stop, nan, skip, delay, skew, fail
+    action: str  # kill, stop, hang, nan, skip, delay, skew, full, corrupt, fail
     point: str  # where in the code: step, persist, forward, selfcheck, ...
     value: float  # the step, the seconds, the check number
     rank: int | None = None  # only this global rank
     host: str | None = None  # only this host (host_id())
     attempt: int | None = None  # only in this attempt (None: not named; see `here`)
+    local: int | None = None  # only this local rank (LOCAL_RANK: "the second rank of host H")
 
 
 def host_id() -> str:
@@ -55,12 +61,13 @@ def _parse(spec: str) -> list[Fault]:
         parts = rest.split(":")
         if len(parts) < 2:
             raise ValueError(f"MEGASCALE_INJECT: {item!r} is not "
-                             "ACTION@POINT:VALUE[:rank=R][:host=H][:attempt=K]")
+                             "ACTION@POINT:VALUE[:rank=R][:host=H][:local=L][:attempt=K]")
         where: dict = {}
         for q in parts[2:]:
             key, _, val = q.partition("=")
-            if key not in ("rank", "host", "attempt") or not val:
-                raise ValueError(f"MEGASCALE_INJECT: {item!r}: {q!r} is not rank=R, host=H or attempt=K")
+            if key not in ("rank", "host", "attempt", "local") or not val:
+                raise ValueError(f"MEGASCALE_INJECT: {item!r}: {q!r} is not rank=R, host=H, local=L "
+                                 "or attempt=K")
             where[key] = val if key == "host" else int(val)
         out.append(Fault(action, parts[0], float(parts[1]), **where))
     return out
@@ -76,6 +83,7 @@ def here(f: Fault, rank: int, default_attempt: int | None = 0) -> bool:
     `default_attempt`; None: every attempt)."""
     want = f.attempt if f.attempt is not None else default_attempt
     return ((f.rank is None or f.rank == rank) and (f.host is None or f.host == host_id())
+            and (f.local is None or f.local == int(os.environ.get("LOCAL_RANK", "0")))
             and (want is None or want == attempt()))
 
 
@@ -89,7 +97,7 @@ def _mine(rank: int | None = None):
 
 
 def inject(point: str, step: int, files: Sequence[str] = ()) -> None:
-    """Act out a fault that names this point and step: kill or stop this process, fail like a full disk
+    """Act out a fault that names this point and step: kill, stop or hang this process, fail like a full disk
     (raise OSError ENOSPC), or corrupt `files` (flip a byte in the middle of each, as bit rot would)."""
     for action, where, at in _mine():
         if where == point and at == step:
@@ -97,6 +105,8 @@ def inject(point: str, step: int, files: Sequence[str] = ()) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif action == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif action == "hang":
+                threading.Event().wait()  # never set: only a signal ends this process now
             elif action == "full":
                 raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: full@{point}:{step})")
             elif action == "corrupt":

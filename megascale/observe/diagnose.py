@@ -47,7 +47,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import sys
 import time
 from collections import defaultdict
@@ -55,6 +54,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from megascale.errors import UserError
+from megascale.fault.inject import host_id
 from megascale.observe.inflight import read_all
 
 MAX_EDGES_SHOWN = 24
@@ -154,7 +154,7 @@ def _liveness(recs: dict[int, dict], stale_s: float, now_ns: int) -> tuple[dict[
         ref_ns = newest
         notes.append(f"no rank's heartbeat is fresh (newest {(now_ns - newest) / 1e9:.1f} s old): the job is "
                      "not running; these are the records as they were at its end")
-    here = socket.gethostname()
+    here = host_id()  # pids can be checked on this host only
     states = {}
     for rank, r in recs.items():
         age = (ref_ns - r["heartbeat_ns"]) / 1e9 if r["heartbeat_ns"] > 0 else None
@@ -184,7 +184,7 @@ def rank_alive(rec: dict, stale_s: float = 5.0, now_ns: int | None = None) -> bo
     that is neither stopped nor dead."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     alive = rec["heartbeat_ns"] > 0 and (now_ns - rec["heartbeat_ns"]) / 1e9 <= stale_s
-    if rec.get("host") == socket.gethostname():
+    if rec.get("host") == host_id():
         alive = _proc_evidence(rec["pid"], alive, post_mortem=False)[0]
     return alive
 

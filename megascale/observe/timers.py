@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from megascale.fault.inject import delays, skew_ns
+from megascale.fault.inject import delays, host_id, skew_ns
 from megascale.observe.inflight import InFlight
 
 STREAMS = ("compute", "dp", "pp", "tp", "data", "checkpoint")
@@ -196,13 +195,13 @@ class Recorder:
         self._skew = skew_ns(rank)  # a test's deliberately wrong clock (MEGASCALE_INJECT="skew@clock:...")
         self._delays = delays(rank)
         self._gpu = device_type == "cuda"
-        self.inflight = InFlight(self.trace_dir / "inflight", rank, groups, host=socket.gethostname(),
-                                 coords=coords)
+        # the host as the job names it (under megascale launch its --local-addr): who is evicted for a hang
+        self.inflight = InFlight(self.trace_dir / "inflight", rank, groups, host=host_id(), coords=coords)
         self.path = self.trace_dir / f"rank_{rank:05d}.jsonl"
         self._file = open(self.path, "a")  # noqa: SIM115 - lives with the recorder
         self._lock = threading.Lock()  # the file: the flusher and close() may both write
         header = {"type": "header", "version": TRACE_VERSION, "rank": rank, "world": world, "coords": coords,
-                  "mesh": mesh_shape or {}, "groups": groups, "host": socket.gethostname(),
+                  "mesh": mesh_shape or {}, "groups": groups, "host": host_id(),
                   "pid": os.getpid(),
                   "fields": FIELDS, "clock": "monotonic_ns", "device": device_type,
                   "wall_ns": time.time_ns(), "mono_ns": self.now()}

@@ -40,7 +40,6 @@ import faulthandler
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from megascale.fault.inject import host_id
 from megascale.observe.inflight import (
     CUR_GROUP,
     CUR_OP,
@@ -234,7 +234,7 @@ class Watchdog:
         self.hang_dir.mkdir(parents=True, exist_ok=True)
         doc = {
             "rank": self.rank, "reason": reason, "wall_ns": time.time_ns(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "pid": os.getpid(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": host_id(), "pid": os.getpid(),
             "record": read_record(self.inflight.dir, self.rank),
             "threads": thread_stacks(),
         }
