@@ -2,14 +2,19 @@
 1-3 minutes, and what each cost.
 
     python benchmarks/soak.py [--minutes 20] [--gap 60:180] [--nproc 2] [--seed 0] [overrides]
+    python benchmarks/soak.py --hosts 2 [--kinds kill,stop,link,host] ...   # on a simulated cluster (root)
 
-The job (the CPU default model, dp2 on this host, host-memory snapshots every 10 steps, storage
+The job (the CPU default model, dp over every rank, host-memory snapshots every 10 steps, storage
 every 100) runs under `megascale launch`; this script plays the night: at random moments it
-SIGKILLs a worker (a crash) or SIGSTOPs one (a hang: a frozen host). It reads the driver's stderr
-and the run's metrics as they come, and at the end stops the job with SIGTERM (a clean stop) and
-prints, per fault: the kind, the seconds to detection (the driver's line) and to the first step
-after the restart; and for the run: ETTR, effective training time = the step time of the steps
-that count (the run's final metrics, re-done steps once) / wall time.
+SIGKILLs a worker (kill: a crash) or SIGSTOPs one (stop: a frozen process). With `--hosts N` the job
+runs on N simulated hosts (network namespaces, megascale.fault.netns: one agent each, host 0 holding
+the rendezvous), and two more faults can strike a host other than host 0: its link goes down for
+`--link-down-s` (link: a flapping NIC; longer than the hang timeout, so the job must notice), or the
+whole host dies, agent and workers, and its pod is started again 5 s later with its host memory gone
+(host). It reads the drivers' stderr and the run's metrics as they come, and at the end stops the job
+with SIGTERM (a clean stop) and prints, per fault: the kind, the seconds to detection (a driver's first
+line about it) and to the first step after the restart; and for the run: ETTR, effective training
+time = the step time of the steps that count (the run's final metrics, re-done steps once) / wall time.
 
 Goals on this machine: a crash detected in under 5 s, a hang in under 30 s, training again
 within 60 s of any fault, ETTR at least 90%.
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -31,7 +37,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DETECTED = {"kill": "crash:", "stop": "no heartbeat:"}
+# a driver's line that says it saw the fault: a crash, a stopped or hung rank, a host gone from the job
+DETECTED = ("crash:", "no heartbeat:", "hang:", "membership:")
+CLUSTER_KINDS = ("link", "host")  # faults of a whole simulated host (--hosts only)
 
 
 def worker_pids(run: Path) -> dict[int, int]:
@@ -69,71 +77,159 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--gap", default="60:180", help="seconds between faults, MIN:MAX (uniform)")
     ap.add_argument("--first", type=float, default=None, help="seconds to the first fault (default: a gap)")
-    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=2, help="workers per host")
+    ap.add_argument("--hosts", type=int, default=0, help="simulated hosts (network namespaces; 0: this host)")
+    ap.add_argument("--link-down-s", type=float, default=20.0, help="how long a link fault lasts")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kinds", default="kill,stop")
+    ap.add_argument("--kinds", default=None, help="kill,stop (and link,host with --hosts); default: all")
     ap.add_argument("--cycle", action="store_true", help="the kinds in turn instead of at random")
     ap.add_argument("--verbose", action="store_true", help="print every line the job writes to stderr")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     lo, hi = (float(v) for v in a.gap.split(":"))
-    kinds = a.kinds.split(",")
-    with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
-        argv = [sys.executable, "-m", "megascale", "launch", "--nproc-per-node", str(a.nproc),
-                "--max-restarts", "1000", "--config", str(ROOT / "configs" / "cpu_default.toml"),
-                "train.steps=1000000", "train.eval_interval=0", "train.log_interval=0", "log.progress=false",
-                "log.tensorboard=false", "log.sample_tokens=0", "checkpoint.memory_interval=10",
-                "checkpoint.interval=100", "checkpoint.keep=2", f"parallel.dp={a.nproc}",
-                "fault.heartbeat_interval_s=1", "fault.heartbeat_timeout_s=4", "fault.selfcheck_min_speed=0",
-                f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
-                f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}", f"train.run_dir={run}",
-                *a.overrides]
-        t0 = time.time()
-        job = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-        lines: list[tuple[float, str]] = []
-
-        def read():
-            for line in job.stderr:
-                lines.append((time.time(), line.rstrip()))
-                if a.verbose or line.startswith("megascale launch:"):
-                    print(f"[{time.time() - t0:7.1f} s] {line.rstrip()[:300]}", flush=True)
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+    kinds = (a.kinds or ",".join(("kill", "stop", *(CLUSTER_KINDS if a.hosts > 1 else ())))).split(",")
+    if a.hosts < 2 and set(kinds) & set(CLUSTER_KINDS):
+        ap.error(f"--kinds {a.kinds}: link and host faults need --hosts 2 or more")
+    with tempfile.TemporaryDirectory() as tmp, Night(a, Path(tmp)) as night:
+        t0 = night.t0
         faults = []
         end = t0 + 60 * a.minutes
         next_at = t0 + (a.first if a.first is not None else rng.uniform(lo, hi))
         try:
-            while time.time() < end and job.poll() is None:
+            while time.time() < end and night.running():
                 time.sleep(0.2)
                 if time.time() < next_at:
                     continue
-                pids = worker_pids(run)
-                if not pids or not train_records(run):
+                pids = worker_pids(night.run)
+                if not pids or not train_records(night.run):
                     continue  # starting up: a fault needs a running job
                 kind = kinds[len(faults) % len(kinds)] if a.cycle else rng.choice(kinds)
-                rank = rng.choice(sorted(pids))
-                seen = len(lines)
-                steps_before = len(train_records(run))
-                os.kill(pids[rank], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
-                faults.append({"kind": kind, "rank": rank, "t": time.time(), "lines_from": seen,
-                               "records_before": steps_before})
-                print(f"[{time.time() - t0:7.1f} s] fault: {kind} rank {rank} (pid {pids[rank]})", flush=True)
+                fault = {"kind": kind, "t": time.time(), "lines_from": len(night.lines)}
+                if kind in CLUSTER_KINDS:
+                    fault["host"] = h = rng.randrange(1, a.hosts)  # host 0 holds the rendezvous
+                    what = night.link_fault(h) if kind == "link" else night.host_fault(h)
+                else:
+                    fault["rank"] = rank = rng.choice(sorted(pids))
+                    os.kill(pids[rank], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+                    what = f"rank {rank} (pid {pids[rank]})"
+                faults.append(fault)
+                print(f"[{time.time() - t0:7.1f} s] fault: {kind} {what}", flush=True)
                 next_at = time.time() + rng.uniform(lo, hi)
         finally:
             wall = time.time() - t0  # the night ends here: the clean stop after it is not training time
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGTERM)  # a clean stop: the step in flight, a checkpoint
-                try:
-                    job.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    os.killpg(job.pid, signal.SIGKILL)
-                    job.wait()
-            reader.join(timeout=5)
-        report(faults, lines, run, wall, t0)
+            night.stop()
+        report(faults, night.lines, night.run, wall, t0)
+
+
+class Night:
+    """The job: one `megascale launch` here, or one per simulated host; the lines its drivers write."""
+
+    def __init__(self, a: argparse.Namespace, tmp: Path):
+        self.a, self.run = a, tmp / "run"
+        self.world = a.nproc * max(1, a.hosts)
+        self.lines: list[tuple[float, str]] = []
+        self.cluster = None
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.t0 = time.time()
+        self._threads: list[threading.Thread] = []
+        self._shm = Path("/dev/shm") / f"megascale-soak-{os.getpid()}"
+
+    def __enter__(self) -> Night:
+        if self.a.hosts > 1:
+            from megascale.fault import netns
+
+            ok, why = netns.available()
+            if not ok:
+                raise SystemExit(f"soak --hosts: no simulated cluster here: {why}")
+            self.cluster = netns.SimCluster(self.a.hosts)
+        for h in range(max(1, self.a.hosts)):
+            self._start(h)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+        shutil.rmtree(self._shm, ignore_errors=True)
+
+    def argv(self, h: int) -> list[str]:
+        a = self.a
+        argv = [sys.executable, "-m", "megascale", "launch", "--nproc-per-node", str(a.nproc),
+                "--max-restarts", "1000", "--config", str(ROOT / "configs" / "cpu_default.toml"),
+                "train.steps=1000000", "train.eval_interval=0", "train.log_interval=0", "log.progress=false",
+                "log.tensorboard=false", "log.sample_tokens=0", "checkpoint.memory_interval=10",
+                "checkpoint.interval=100", "checkpoint.keep=2", f"parallel.dp={self.world}",
+                "fault.heartbeat_interval_s=1", "fault.heartbeat_timeout_s=4", "fault.selfcheck_min_speed=0",
+                f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
+                f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}", f"train.run_dir={self.run}"]
+        if self.cluster is not None:
+            c = self.cluster
+            # each host its own host memory (a dead machine's snapshots die with it); a hang (a link down)
+            # is noticed after 15 s, not after the default max(60 s, 20 steps)
+            argv[4:4] = ["--nnodes", str(a.hosts), "--rdzv-endpoint", f"{c.addr(0)}:29400", "--rdzv-id",
+                         "soak", "--local-addr", c.addr(h)]
+            argv += [f"checkpoint.memory_dir={self._shm / f'host{h}'}", "fault.hang_timeout_s=15"]
+        return argv + list(a.overrides)
+
+    def _start(self, h: int) -> None:
+        kw = dict(cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        env = {"OMP_NUM_THREADS": "1"}
+        if self.cluster is not None:
+            p = self.cluster.popen(h, self.argv(h), env=env, **kw)
+        else:
+            p = subprocess.Popen(self.argv(h), env={**os.environ, **env}, start_new_session=True, **kw)
+        self.agents[h] = p
+        tag = f"h{h} " if self.cluster is not None else ""
+        t = threading.Thread(target=self._read, args=(p, tag), daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _read(self, p: subprocess.Popen, tag: str) -> None:
+        for line in p.stderr:
+            self.lines.append((time.time(), line.rstrip()))
+            if self.a.verbose or line.startswith("megascale launch:"):
+                print(f"[{time.time() - self.t0:7.1f} s] {tag}{line.rstrip()[:300]}", flush=True)
+
+    def running(self) -> bool:
+        """Whether the job goes on: host 0's driver (the one holding the rendezvous) has not ended."""
+        return self.agents[0].poll() is None
+
+    def link_fault(self, h: int) -> str:
+        """Host h's link down for --link-down-s, then up again (a thread brings it back)."""
+        self.cluster.link_down(h)
+
+        def later():
+            time.sleep(self.a.link_down_s)
+            self.cluster.link_up(h)
+            print(f"[{time.time() - self.t0:7.1f} s] link of host {h} up again", flush=True)
+
+        threading.Thread(target=later, daemon=True).start()
+        return f"host {h}'s link down for {self.a.link_down_s:g} s"
+
+    def host_fault(self, h: int) -> str:
+        """Every process of host h SIGKILLed; its host memory gone; its pod started again 5 s later."""
+        self.cluster.kill_host(h)
+        shutil.rmtree(self._shm / f"host{h}", ignore_errors=True)
+
+        def later():
+            time.sleep(5)
+            self._start(h)
+
+        threading.Thread(target=later, daemon=True).start()
+        return f"host {h} (agent and workers), started again in 5 s"
+
+    def stop(self) -> None:
+        for p in self.agents.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)  # a clean stop: the step in flight, a checkpoint
+        for p in self.agents.values():
+            try:
+                p.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for t in self._threads:
+            t.join(timeout=5)
 
 
 def report(faults: list[dict], lines: list[tuple[float, str]], run: Path, wall: float, t0: float) -> None:
@@ -143,14 +239,14 @@ def report(faults: list[dict], lines: list[tuple[float, str]], run: Path, wall: 
         steps[r["step"]] = r
     productive = sum(r["step_time"] for r in steps.values())
     for f in faults:
-        marker = DETECTED[f["kind"]]
-        hit = next((t for t, line in lines[f["lines_from"]:] if marker in line), None)
+        hit = next((t for t, line in lines[f["lines_from"]:] if any(m in line for m in DETECTED)), None)
         f["detect_s"] = None if hit is None else hit - f["t"]
         f["first_step_s"] = first_step_after(run, f["t"])
         d = "not detected" if hit is None else f"detected in {f['detect_s']:.1f} s"
         s = ("no step after it" if f["first_step_s"] is None
              else f"training again after {f['first_step_s']:.1f} s")
-        print(f"fault at {f['t'] - t0:7.1f} s: {f['kind']} of rank {f['rank']}: {d}, {s}")
+        who = f"host {f['host']}" if "host" in f else f"rank {f['rank']}"
+        print(f"fault at {f['t'] - t0:7.1f} s: {f['kind']} of {who}: {d}, {s}")
     for kind in sorted({f["kind"] for f in faults}):
         ds = [f["detect_s"] for f in faults if f["kind"] == kind and f["detect_s"] is not None]
         fs = [f["first_step_s"] for f in faults if f["kind"] == kind and f["first_step_s"] is not None]
