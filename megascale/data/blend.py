@@ -39,9 +39,8 @@ import numpy as np
 import torch
 
 from megascale.config import DataConfig
-from megascale.data.dataset import PackedSamples, _rng, split_documents
+from megascale.data.dataset import PackedSamples, _rng, split_samples
 from megascale.data.megatron import open_dataset
-from megascale.errors import UserError
 
 _BLEND_STREAM = 3  # SeedSequence key of the per-dataset epoch orders (dataset.py uses 1 and 2)
 _GAP = 64  # positions closer than this are looked up as one block
@@ -189,15 +188,9 @@ def open_blend(data_cfg: DataConfig, seq_len: int) -> tuple[BlendedSamples, Blen
     one is empty)."""
     train, val, w_train, w_val = [], [], [], []
     for i, (weight, path) in enumerate(data_cfg.blend):
-        ds = open_dataset(path)
-        tr_docs, va_docs = split_documents(ds.num_docs, data_cfg.val_fraction, data_cfg.seed)
-        tr = PackedSamples(ds, tr_docs, seq_len, "train")
-        if len(tr) == 0:
-            raise UserError(f"data.blend[{i}]: the training split of {ds.bin_path} has {tr.num_tokens} "
-                            f"tokens, too few for one sample of model.seq_len + 1 = {seq_len + 1}")
+        tr, va = split_samples(open_dataset(path), data_cfg, seq_len, f"data.blend[{i}]")
         train.append(tr)
         w_train.append(weight)
-        va = PackedSamples(ds, va_docs, seq_len, "val")
         if len(va):
             val.append(va)
             w_val.append(weight)

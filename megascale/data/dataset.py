@@ -127,10 +127,15 @@ def open_splits(prefix: str | Path, data_cfg: DataConfig, seq_len: int,
         from megascale.data.blend import open_blend  # it imports this module
 
         return open_blend(data_cfg, seq_len)
-    ds = open_dataset(prefix)
+    return split_samples(open_dataset(prefix), data_cfg, seq_len, "data.path")
+
+
+def split_samples(ds, data_cfg: DataConfig, seq_len: int, field: str) -> tuple[PackedSamples, PackedSamples]:
+    """(train, validation) samples of one dataset, split by `data.val_fraction` and `data.seed`; a
+    training split too short for one sample is an error naming `field`."""
     train_docs, val_docs = split_documents(ds.num_docs, data_cfg.val_fraction, data_cfg.seed)
     train = PackedSamples(ds, train_docs, seq_len, "train")
     if len(train) == 0:
-        raise UserError(f"data.path: the training split of {ds.bin_path} has {train.num_tokens} tokens, "
+        raise UserError(f"{field}: the training split of {ds.bin_path} has {train.num_tokens} tokens, "
                         f"too few for one sample of model.seq_len + 1 = {seq_len + 1}")
     return train, PackedSamples(ds, val_docs, seq_len, "val")

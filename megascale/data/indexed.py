@@ -57,7 +57,31 @@ def paths(prefix: str | Path) -> tuple[Path, Path]:
     return Path(prefix + ".bin"), Path(prefix + ".idx")
 
 
-class IndexedDataset:
+class Documents:
+    """Documents as slices of one memory-mapped token array: what every on-disk format here gives the
+    loader. A subclass sets `tokens` (the map), `offsets` (num_docs + 1 token positions) and `num_docs`."""
+
+    tokens: np.ndarray
+    offsets: np.ndarray
+    num_docs: int
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def doc(self, i: int) -> np.ndarray:
+        """Token ids of document `i` (a view into the memory map; megascale's own format ends each with
+        its EOS)."""
+        if not -self.num_docs <= i < self.num_docs:
+            raise IndexError(f"document {i} out of range for {self.num_docs} documents")
+        i %= self.num_docs
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
+
+    @property
+    def doc_lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+class IndexedDataset(Documents):
     """A read-only, memory-mapped tokenised corpus. Problems in the files are UserErrors
     that name the file and what is wrong with it."""
 
@@ -107,20 +131,6 @@ class IndexedDataset:
         self.num_docs = int(num_docs)
         self.offsets = offsets
         self.num_tokens = int(offsets[-1])
-
-    def __len__(self) -> int:
-        return self.num_docs
-
-    def doc(self, i: int) -> np.ndarray:
-        """Token ids of document `i`, its EOS included (a view into the memory map)."""
-        if not -self.num_docs <= i < self.num_docs:
-            raise IndexError(f"document {i} out of range for {self.num_docs} documents")
-        i %= self.num_docs
-        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
-
-    @property
-    def doc_lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
 
     def __repr__(self) -> str:
         return (f"IndexedDataset({str(self.bin_path)[:-4]!r}, docs={self.num_docs}, "

@@ -225,15 +225,21 @@ def _produce(ref: weakref.ref, position: int, out: queue.Queue, stop: threading.
             item = (position, e)
         step = loader.global_batch
         del loader
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                break
-            except queue.Full:
-                continue
+        put_unless_stopped(out, item, stop)
         if isinstance(item[1], BaseException):
             return
         position += step
+
+
+def put_unless_stopped(out: queue.Queue, item: Any, stop: threading.Event) -> None:
+    """Hand `item` to the consumer once the queue has room, or give up when `stop` is set (a full queue
+    must not keep a prefetch thread alive after its loader is closed)."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
 
 
 def _stop_thread(stop: threading.Event, thread: threading.Thread) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from megascale.data.indexed import MAGIC as MEGASCALE_MAGIC
-from megascale.data.indexed import IndexedDataset, paths
+from megascale.data.indexed import Documents, IndexedDataset, paths
 from megascale.errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -52,7 +52,7 @@ _CHUNK = 1 << 22  # index entries checked per step: bounded memory on an index o
 ID_CHECK_TOKENS = 1 << 24  # tokens whose ids `check_token_ids` reads (all of a dataset up to 16M tokens)
 
 
-class MegatronDataset:
+class MegatronDataset(Documents):
     """A read-only, memory-mapped Megatron-LM indexed dataset. Problems in the files are
     UserErrors that name the file and what is wrong with it."""
 
@@ -148,20 +148,6 @@ class MegatronDataset:
         for lo in range(0, len(docs) - 1, _CHUNK):
             if np.any(np.diff(docs[lo : lo + _CHUNK + 1]) < 0):
                 raise UserError(f"{where}: corrupt document indices (not increasing)")
-
-    def __len__(self) -> int:
-        return self.num_docs
-
-    def doc(self, i: int) -> np.ndarray:
-        """Token ids of document `i` (a view into the memory map)."""
-        if not -self.num_docs <= i < self.num_docs:
-            raise IndexError(f"document {i} out of range for {self.num_docs} documents")
-        i %= self.num_docs
-        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
-
-    @property
-    def doc_lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
 
     def __repr__(self) -> str:
         return (f"MegatronDataset({str(self.bin_path)[:-4]!r}, docs={self.num_docs}, "

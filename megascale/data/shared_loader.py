@@ -72,7 +72,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascale.data.loader import BatchLoader, _stop_thread
+from megascale.data.loader import BatchLoader, _stop_thread, put_unless_stopped
 from megascale.errors import UserError
 
 MAGIC = int.from_bytes(b"MSDRING1", "little")
@@ -510,12 +510,7 @@ def _read(ref: weakref.ref, ring: Ring, position: int, out: queue.Queue, stop: t
             item = (position, e)
         loader.stats["copy_cpu_s"] += time.thread_time() - c0  # the copy (and any polling) is loading too
         del loader
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                break
-            except queue.Full:
-                continue
+        put_unless_stopped(out, item, stop)
         if isinstance(item[1], BaseException):
             return
         position += ring.batch
