@@ -11,6 +11,7 @@
 #   gpt_compile    the same with train.compile (torch.compile of the model)
 #   llama_eager    the Llama-style 1.3B (RMSNorm, SwiGLU, rotary), eager, then fused
 #   attention      sliding-window (flex_attention, block mask) vs full causal (SDPA) as s grows
+#   generate       600 tokens of sliding-window generation: how many graphs flex attention compiled
 #   tp2            a 2-process NCCL tensor-parallel run on this one GPU (NCCL may refuse it)
 #   plan           `megascale plan --calibrate` here, then the planner's step time for the 1.3B run
 # On a machine without CUDA it says so and exits 0.
@@ -33,7 +34,8 @@ part() {  # part NAME SECONDS COMMAND...: run it under a limit, keep its log, sh
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?
-    grep -E "^(done|gpu_check|attention|plan|tp2|  start-up|tp[0-9])|tok/s|MFU|error" "$OUT/$name.log" | tail -n 8
+    grep -E "^(done|gpu_check|attention|generate|plan|tp2|  start-up|tp[0-9])|tok/s|MFU|error" "$OUT/$name.log" \
+        | tail -n 8
     echo "-- $name: exit $rc after $((SECONDS - t0)) s"
 }
 
@@ -65,6 +67,24 @@ for s in (2048, 4096, 8192, 16384):
     slide = ms(lambda a, b, c: sliding_window_attention(a, b, c, window), q, k, v)
     print(f"attention s={s} window={window}: full {full:.2f} ms, sliding {slide:.2f} ms fwd+bwd "
           f"(sliding/full {slide / full:.2f}; per token {1e3 * slide / s:.3f} us)", flush=True)
+PY
+part generate 60 "$PY" - <<'PY'
+# sliding-window generation on the GPU: compiled flex-attention graphs as the context grows past the
+# window (context_bucket pads it to a few lengths; one compile per length would hit the recompile limit)
+import time, torch, torch._dynamo
+from megascale.config import ModelConfig
+from megascale.model import GPT
+torch.manual_seed(0)
+cfg = ModelConfig(vocab_size=50304, seq_len=2048, n_layers=4, d_model=1024, n_heads=16, attention="sliding",
+                  window=256)
+model = GPT(cfg).cuda().to(torch.bfloat16).eval()
+torch._dynamo.utils.counters.clear()
+t = time.perf_counter()
+out = model.generate(torch.zeros(1, 1, dtype=torch.long, device="cuda"), 600, temperature=0)
+torch.cuda.synchronize()
+frames = sum(torch._dynamo.utils.counters["frames"].values()) if "frames" in torch._dynamo.utils.counters else -1
+print(f"generate sliding window=256: {out.shape[1] - 1} tokens in {time.perf_counter() - t:.1f} s; dynamo "
+      f"counters {dict(torch._dynamo.utils.counters['stats'])}; frames {frames}", flush=True)
 PY
 part tp2 60 "$PY" -m megascale train --nproc 2 --config configs/bench_gpt_19m.toml parallel.tp=2 train.steps=10 \
     train.dtype=bf16 checkpoint.resume=false "train.run_dir=$OUT/tp2"

@@ -50,6 +50,35 @@ def test_padded_ids_are_never_sampled():
         assert text.startswith("ab")
 
 
+@pytest.mark.parametrize("style", ["gpt", "llama"])
+def test_sliding_window_generation_meets_few_shapes_and_samples_as_unpadded(style):
+    """Past the window each context is right-padded to a power of two (or seq_len): a 100-token greedy
+    generation at seq_len 64, window 8 runs the body on 8 lengths at most (1-8 as they come, then 16,
+    32, 64), not 64, and picks the very tokens an unpadded run does (causal: padding after the last
+    token changes nothing before it; float64, so any leak would show)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=BYTES, seq_len=64, n_layers=2, d_model=32, n_heads=2, style=style,
+                      attention="sliding", window=8)
+    model = GPT(cfg).double().eval()
+    lengths, body = [], model.body
+
+    def recording(ids):
+        lengths.append(ids.shape[1])
+        return body(ids)
+
+    model.body = recording
+    idx = torch.tensor([[3, 1, 4]])
+    out = model.generate(idx, 100, temperature=0)
+    assert set(lengths) - set(range(1, 9)) == {16, 32, 64}, sorted(set(lengths))
+    # the same generation, one unpadded forward per token
+    want = idx
+    with torch.no_grad():
+        for _ in range(100):
+            logits = model.head(body(want[:, -cfg.seq_len:])[:, -1])
+            want = torch.cat((want, logits.argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(out, want)
+
+
 def test_sample_text_without_padding_and_zero_tokens():
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=BYTES, seq_len=16, n_layers=1, d_model=32, n_heads=2)).eval()

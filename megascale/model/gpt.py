@@ -163,6 +163,12 @@ class GPT(nn.Module):
         to -inf first, so they are never chosen. Runs in eval mode (no dropout) and restores the
         previous mode. No KV cache: each step re-reads the cropped context, which is fine for
         the sample texts of a training run.
+
+        With sliding-window attention a context longer than the window is right-padded to a length
+        from a short fixed list (`context_bucket`): the flex-attention kernel is compiled for static
+        shapes, and one compile per context length would pass torch.compile's recompile limit
+        within a few tokens and fall back to an s x s eager path. Attention is causal, so padding
+        after the last real token changes nothing before it; its logits are read at that token.
         """
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
@@ -172,8 +178,12 @@ class GPT(nn.Module):
         self.eval()
         try:
             for _ in range(max_new_tokens):
-                hidden = self.body(idx[:, -self.cfg.seq_len :])
-                logits = self.head(hidden[:, -1]).float()  # the head only for the last position
+                ctx = idx[:, -self.cfg.seq_len :]
+                t = ctx.shape[1]
+                if self.cfg.attention == "sliding" and t > self.cfg.window:
+                    ctx = nn.functional.pad(ctx, (0, context_bucket(t, self.cfg.seq_len) - t))
+                hidden = self.body(ctx)
+                logits = self.head(hidden[:, t - 1]).float()  # the head only for the last real position
                 if vocab_limit is not None and vocab_limit < logits.shape[-1]:
                     logits[:, vocab_limit:] = float("-inf")
                 if temperature <= 0:
@@ -188,6 +198,12 @@ class GPT(nn.Module):
         finally:
             self.train(was_training)
         return idx
+
+
+def context_bucket(t: int, seq_len: int) -> int:
+    """The padded length of a t-token context: the next power of two, at most seq_len. A generation
+    then meets about log2(seq_len / window) + 1 shapes past the window, not one per token."""
+    return min(seq_len, 1 << (t - 1).bit_length())
 
 
 def check_model_config(cfg: ModelConfig) -> None:
