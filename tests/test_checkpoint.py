@@ -220,8 +220,8 @@ def test_fsspec_storage(corpus, tmp_path, reference):
     storage = Storage(url)
     assert [s for s, _ in storage.committed()] == [6, 8]
     w = {}
+    from megascale.checkpoint.dcp_io import load_chunks, stored_tensors
     from megascale.checkpoint.shards import Chunk
-    from megascale.checkpoint.storage import load_chunks, stored_tensors
     for fqn, md in stored_tensors(storage, storage.step_dir(8)).items():
         if fqn.startswith("model/"):
             w[fqn[6:]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)

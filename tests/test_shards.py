@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from megascale.checkpoint.dcp_io import merge_metadata, write_rank_files
 from megascale.checkpoint.shards import Chunk, flat_range_boxes
-from megascale.checkpoint.storage import Storage, merge_metadata, write_rank_files
+from megascale.checkpoint.storage import Storage
 
 
 @pytest.mark.parametrize("shape", [(7,), (3, 4), (2, 3, 4), (4, 1), (1, 7), (2, 1, 3)])

@@ -38,28 +38,22 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from megascale.checkpoint.shards import Chunk, ensure_optimizer_state
 from megascale.checkpoint.snapshot import HostSnapshot
-from megascale.checkpoint.storage import (
-    CheckpointError,
-    PersistResult,
-    Storage,
-    load_chunks,
-    persist,
-    stored_tensors,
-    verify,
-    write_rank_files,
-)
+from megascale.checkpoint.storage import CheckpointError, Storage
 from megascale.checkpoint.writer import WriterProcess
 from megascale.config import Config
 from megascale.errors import UserError
 from megascale.fault.inject import inject
 from megascale.observe import timers
+
+if TYPE_CHECKING:
+    from megascale.checkpoint.dcp_io import PersistResult
 
 
 class TrainState(Protocol):
@@ -158,6 +152,8 @@ class CheckpointManager:
         return blocked
 
     def _persist(self, step: int) -> PersistResult:
+        from megascale.checkpoint.dcp_io import persist, write_rank_files
+
         _lower_priority()
         t0 = timers.now_ns()
         views, extra = self.snapshots.acquire(step)
@@ -319,11 +315,15 @@ class CheckpointManager:
         record, problem = box
         if problem:
             return problem, None, 0
+        from megascale.checkpoint.dcp_io import verify
+
         mine = sorted(record["files"])[self.rank::self.world]
         problem = self._agree(verify(self.storage, path, record, mine) or "") or None
         return problem, record, sum(record["files"][n]["bytes"] for n in mine)
 
     def _restore_storage(self, step: int, path: str, record: dict, state: TrainState) -> RestoreInfo:
+        from megascale.checkpoint.dcp_io import load_chunks, stored_tensors
+
         same = record.get("layout") == self.layout and record.get("world") == self.world
         broadcast = self.cfg.checkpoint.broadcast_restore and self.mesh.dp > 1
         error, nbytes, extra = "", 0, {}

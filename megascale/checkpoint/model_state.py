@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from megascale.checkpoint.dcp_io import load_chunks, stored_tensors, verify
 from megascale.checkpoint.shards import EMBEDDING, TIED_HEAD, Chunk
-from megascale.checkpoint.storage import COMMIT, CheckpointError, Storage, load_chunks, stored_tensors, verify
+from megascale.checkpoint.storage import COMMIT, CheckpointError, Storage
 from megascale.config import Config, from_dict, load_config
 from megascale.errors import UserError
 

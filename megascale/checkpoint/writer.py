@@ -6,9 +6,9 @@ checksums the record, and the training thread, which needs the GIL between every
 waits each time (a 100M-parameter model stepped 70% slower during a persist on 2 cores).
 A process has its own interpreter. It reads the snapshot straight from the slot file in
 /dev/shm (the table says where each box lies), writes the rank's part with
-`storage.write_rank_files`, and sends back the file's checksum and the metadata part; the
+`dcp_io.write_rank_files`, and sends back the file's checksum and the metadata part; the
 training process's persist thread only waits on the pipe and does the one all-gather and, on
-rank 0, the commit (storage.persist).
+rank 0, the commit (dcp_io.persist).
 
 The process is started (spawn: no fork of a process with gloo and OpenMP threads) at the first
 persist, niced, and restarted after it dies: a killed writer is a failed persist (one line,
@@ -82,9 +82,10 @@ def _serve(conn, rank: int) -> None:
     import numpy as np
     import torch
 
+    from megascale.checkpoint.dcp_io import first_line, write_rank_files
     from megascale.checkpoint.shards import Chunk
     from megascale.checkpoint.snapshot import DTYPES
-    from megascale.checkpoint.storage import Storage, first_line, write_rank_files
+    from megascale.checkpoint.storage import Storage
     from megascale.fault.inject import inject
 
     torch.set_num_threads(1)  # copies and checksums: one core, the others are training's
