@@ -241,7 +241,10 @@ def report(faults: list[dict], lines: list[tuple[float, str]], run: Path, wall: 
     for f in faults:
         hit = next((t for t, line in lines[f["lines_from"]:] if any(m in line for m in DETECTED)), None)
         f["detect_s"] = None if hit is None else hit - f["t"]
-        f["first_step_s"] = first_step_after(run, f["t"])
+        # the first step to end after the driver saw it (a step already past its collectives when the
+        # fault struck may still end on rank 0: that one is not "training again")
+        after = first_step_after(run, f["t"] if hit is None else hit)
+        f["first_step_s"] = None if after is None else after + (0.0 if hit is None else hit - f["t"])
         d = "not detected" if hit is None else f"detected in {f['detect_s']:.1f} s"
         s = ("no step after it" if f["first_step_s"] is None
              else f"training again after {f['first_step_s']:.1f} s")

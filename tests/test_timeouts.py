@@ -47,3 +47,21 @@ def test_a_stuck_training_collective_fails_at_its_timeout_with_a_dump(tmp_path):
     assert dump.exists(), r.stderr[-3000:]
     rec = json.loads(dump.read_text())
     assert "collective failed" in rec["reason"] and rec["record"]["current"] is not None
+
+
+def test_a_dead_peer_is_dumped_without_waiting_for_a_diagnosis():
+    """A collective that fails because a peer died (gloo: "Connection closed by peer") writes this rank's
+    dump and lets the error end the process at once; only a timeout (a hang) waits to take part in the
+    diagnosis. Waiting on a dead peer's error cost 16 s of every crash in the cluster soak: the dead never
+    dump, and the living count as live until their beats are 5 s old."""
+    from types import SimpleNamespace
+
+    from megascale.observe.session import Observer
+
+    calls = []
+    me = SimpleNamespace(watchdog=SimpleNamespace(dump=lambda reason, diagnose=True: calls.append(diagnose)))
+    Observer.on_error(me, RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                                       "[198.18.0.2]:39121"))
+    Observer.on_error(me, RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 6000ms"))
+    Observer.on_error(me, ValueError("not a collective's error"))
+    assert calls == [False, True]

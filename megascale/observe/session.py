@@ -160,8 +160,14 @@ class Observer:
         if self.watchdog is None or not isinstance(exc, (dist.DistError, RuntimeError)):
             return
         text = str(exc).lower()
-        if any(w in text for w in ("timed out", "timeout", "connection", "closed", "reset", "abort")):
-            self.watchdog.dump(f"collective failed: {str(exc).splitlines()[0][:300]}")
+        reason = f"collective failed: {str(exc).splitlines()[0][:300]}"
+        if any(w in text for w in ("timed out", "timeout")):
+            self.watchdog.dump(reason)  # a hang: take part in the diagnosis of who everyone waits for
+        elif any(w in text for w in ("connection", "closed", "reset", "abort")):
+            # a peer died: the error names it already. Write the dump but do not wait for the others'
+            # (the dead never write theirs, and the live ones count as live until their beats are 5 s
+            # old): the sooner this process exits, the sooner its agent restarts the job
+            self.watchdog.dump(reason, diagnose=False)
 
     def layout_record(self) -> dict:
         m = self.mesh
