@@ -88,6 +88,21 @@ def _equal(run: Path, reference: Path) -> None:
         assert torch.equal(ref[k], got[k]), k
 
 
+def _close(run: Path, reference: Path) -> None:
+    """Final weights equal to rounding (float64): a shrunk job does the same sums in another order."""
+    ref, got = _weights(reference), _weights(run)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+
+
+def _shrinking(cluster, run: Path, data, tmp_path: Path, fault: str, job: str, *extra: str) -> list[int]:
+    """Hosts 0 and 1 in a `--nnodes 1:2`, `parallel.dp = 0` job (each its own host memory) with `fault`;
+    their exit codes."""
+    return _wait([_agent(cluster, h, run, data, fault, job=job, nnodes="1:2",
+                         extra=(*_own_memory(tmp_path, h), "parallel.dp=0", *extra)) for h in (0, 1)])
+
+
 def test_a_worker_killed_on_another_host_is_recovered_exactly(request, tmp_path, data, reference):
     cluster = make_cluster(request, hosts=2)
     run = tmp_path / "run"
@@ -175,9 +190,7 @@ def test_without_a_replacement_the_job_shrinks_dp_and_ends_like_the_fault_free_r
     assert layouts[0] == 2 and layouts[-1] == 1, layouts  # dp2 x tp2 on 2 hosts, then dp1 x tp2 on one
     # one host does the same arithmetic in another order (dp=1 sums the micro-batches, dp=2 all-reduces
     # them): equal to rounding, in float64
-    ref, got = _weights(reference), _weights(run)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+    _close(run, reference)
     def losses(r):
         return {m["step"]: m["loss"] for m in read_metrics(r / "metrics.jsonl") if m.get("kind") == "train"}
     want, have = losses(reference), losses(run)
@@ -191,11 +204,8 @@ def test_a_straggling_host_is_evicted_when_asked_and_the_job_goes_on_without_it(
     cluster = make_cluster(request, hosts=2)
     run = tmp_path / "run"
     slow = f"delay@forward:0.1:host={cluster.addr(1)}"  # both of host 1's ranks: a slow machine
-    watch = ("fault.evict_stragglers=true", "observe.straggler_window=2", "observe.straggler_windows=2",
-             "parallel.dp=0")
-    agents = [_agent(cluster, h, run, data, slow, job="straggler", nnodes="1:2",
-                     extra=(*_own_memory(tmp_path, h), *watch)) for h in (0, 1)]
-    codes = _wait(agents)
+    codes = _shrinking(cluster, run, data, tmp_path, slow, "straggler", "fault.evict_stragglers=true",
+                       "observe.straggler_window=2", "observe.straggler_windows=2")
     logs = _logs(run)
     assert codes == [0, 4], logs[-4000:]
     reason = blocklist.entry(run, cluster.addr(1))["reason"]
@@ -207,9 +217,7 @@ def test_a_straggling_host_is_evicted_when_asked_and_the_job_goes_on_without_it(
     assert max(stragglers, key=lambda s: s["slower_by"])["host"] == cluster.addr(1), stragglers
     layouts = [r["dp"] for r in read_metrics(run / "metrics.jsonl", "layout")]
     assert layouts[0] == 2 and layouts[-1] == 1, layouts
-    ref, got = _weights(reference), _weights(run)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+    _close(run, reference)
 
 
 def test_a_hung_rank_is_named_and_the_job_goes_on_without_its_host(request, tmp_path, data, reference):
@@ -219,9 +227,7 @@ def test_a_hung_rank_is_named_and_the_job_goes_on_without_its_host(request, tmp_
     cluster = make_cluster(request, hosts=2)
     run = tmp_path / "run"
     a1 = cluster.addr(1)
-    agents = [_agent(cluster, h, run, data, f"hang@step:7:host={a1}:local=1", job="hang", nnodes="1:2",
-                     extra=(*_own_memory(tmp_path, h), "parallel.dp=0")) for h in (0, 1)]
-    codes = _wait(agents)
+    codes = _shrinking(cluster, run, data, tmp_path, f"hang@step:7:host={a1}:local=1", "hang")
     logs = _logs(run)
     assert codes == [0, 4], logs[-4000:]
     reason = blocklist.entry(run, a1)["reason"]
@@ -233,9 +239,7 @@ def test_a_hung_rank_is_named_and_the_job_goes_on_without_its_host(request, tmp_
     assert (run / "trace" / "hang" / "driver_diagnosis.txt").exists()
     layouts = [r["dp"] for r in read_metrics(run / "metrics.jsonl", "layout")]
     assert layouts[0] == 2 and layouts[-1] == 1, layouts
-    ref, got = _weights(reference), _weights(run)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+    _close(run, reference)
 
 
 def test_a_full_disk_and_a_rotten_shard_cost_checkpoints_not_the_run(request, tmp_path, data, reference):
@@ -353,6 +357,4 @@ def test_a_nan_loss_on_one_host_rolls_the_job_back_like_one_process(request, tmp
     assert [s for s, _ in want] == [s for s, _ in have]
     for (step, a), (_, b) in zip(want, have, strict=True):
         assert abs(a - b) <= 1e-9 * abs(a), step
-    ref, got = _weights(one), _weights(run)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
+    _close(run, one)

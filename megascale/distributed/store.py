@@ -77,9 +77,9 @@ def open_store(spec: str, rank: int, world_size: int, timeout: datetime.timedelt
     kind = "libuv" if libuv else "legacy"
     if agent is None:  # no launcher store: rank 0 hosts ours on MASTER_PORT, as torch's env:// does
         try:
-            listen = _loopback_listener(host, port) if rank == 0 else None
+            fd = _loopback_listener(host, port)[0] if rank == 0 else None
             store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False,
-                                  multi_tenant=True, use_libuv=libuv, master_listen_fd=listen)
+                                  multi_tenant=True, use_libuv=libuv, master_listen_fd=fd)
         except (RuntimeError, ValueError) as e:
             raise UserError(f"distributed.store: cannot open a TCPStore at {host}:{port} "
                             f"({str(e).splitlines()[0]})") from None
@@ -88,10 +88,9 @@ def open_store(spec: str, rank: int, world_size: int, timeout: datetime.timedelt
     key = f"megascale/{attempt}/{kind}_store"
     if rank == 0:
         address = _my_address(host)
-        listen = _loopback_listener(address, 0)
-        port = _bound_port(listen) if listen is not None else 0
+        fd, port = _loopback_listener(address, 0)
         store = dist.TCPStore(address, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                              use_libuv=libuv, master_listen_fd=listen)
+                              use_libuv=libuv, master_listen_fd=fd)
         agent.set(key, f"{store.host}:{store.port}")
     else:
         where = agent.get(key).decode()
@@ -108,9 +107,10 @@ def _launcher_store(host: str, port: int, world_size: int, timeout: datetime.tim
     return dist.TCPStore(host, port, world_size, False, timeout=timeout)
 
 
-def _loopback_listener(host: str, port: int) -> int | None:
-    """The descriptor of a socket listening on the loopback address only, when `host` is a loopback
-    name or address; the TCPStore it is handed to owns it (and closes it when the store goes).
+def _loopback_listener(host: str, port: int) -> tuple[int | None, int]:
+    """(descriptor, port) of a socket listening on the loopback address only, when `host` is a loopback
+    name or address, else (None, `port`); the TCPStore it is handed to owns the descriptor (and closes it
+    when the store goes).
 
     TCPStore's server, given a host, still listens on every interface: a single-host job would
     take connections from the whole network. Handing it a socket bound to 127.0.0.1 (or ::1) keeps
@@ -119,10 +119,10 @@ def _loopback_listener(host: str, port: int) -> int | None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
-        return None
+        return None, port
     loop = [i for i in infos if i[4][0] in ("127.0.0.1", "::1") or i[4][0].startswith("127.")]
     if not loop or len(loop) != len(infos):
-        return None
+        return None, port
     family, _, _, _, addr = loop[0]
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -131,21 +131,13 @@ def _loopback_listener(host: str, port: int) -> int | None:
         sock.listen(1024)
     except OSError:
         sock.close()
-        return None  # the port is taken: TCPStore reports that itself, in its own words
+        return None, port  # the port is taken: TCPStore reports that itself, in its own words
     # Detached, not kept: TCPStore's server closes the descriptor it is given, so a Python socket still
     # holding it would close it a second time when collected, perhaps while the server still polls it
     # (CI: "Unexpected poll revent on the master's listening socket: 32", POLLNVAL, then SIGABRT at exit)
     # or after the number went to another file.
-    return sock.detach()
-
-
-def _bound_port(fd: int) -> int:
-    """The port a listening descriptor is bound to (a temporary socket object, detached again)."""
-    sock = socket.socket(fileno=fd)
-    try:
-        return sock.getsockname()[1]
-    finally:
-        sock.detach()
+    bound = sock.getsockname()[1]
+    return sock.detach(), bound
 
 
 def _my_address(master_addr: str) -> str:

@@ -40,7 +40,7 @@ class HangVerdict(NamedTuple):
 
 def judge_hang(run_dir: str | Path, world: int, stale_s: float = 5.0,
                now_ns: int | None = None) -> HangVerdict:
-    inflight = find_inflight_dir(Path(run_dir) / "trace" / "inflight")
+    inflight = find_inflight_dir(run_dir)
     if inflight is None:
         return HangVerdict("no in-flight records to diagnose (observe.timers = false?)", None)
     # records of ranks beyond this world are a larger earlier layout's (before a shrink): not this job's
