@@ -478,8 +478,8 @@ def validate_layout(cfg: Config) -> None:
     """What a (dp, pp, tp, vpp, sequence_parallel) layout needs of the model and the batch.
 
     Pure arithmetic, so `megascale train --nproc N` checks it in the launching process before
-    any worker starts. The same rules as parallel.apply_tp.check_tp and
-    parallel.pp_stage.check_pipeline, which check them again where the model is built.
+    any worker starts. The same rules as parallel.tensor.apply.check_tp and
+    parallel.pipeline.stage.check_pipeline, which check them again where the model is built.
     """
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if p.tp > 1:

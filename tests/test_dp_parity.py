@@ -39,8 +39,8 @@ from megascale.parallel import (
     parallelize,
     tp_loss,
 )
-from megascale.parallel.comm import all_gather_dim
 from megascale.parallel.data import DistributedOptimizer
+from megascale.parallel.tensor.comm import all_gather_dim
 
 STEPS, GLOBAL_BATCH, MICRO, VOCAB, SEQ, BUCKET = 10, 8, 2, 257, 16, 3000
 TOL = {torch.float32: 1e-5, torch.float64: 1e-11}

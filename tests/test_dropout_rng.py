@@ -18,11 +18,11 @@ from megascale.config import ModelConfig, ParallelConfig
 from megascale.model import GPT
 from megascale.model.attention import Attention
 from megascale.model.factory import Dropout, current_stream, forked_rng, site_id
-from megascale.parallel.apply_tp import TPLayerFactory, parallelize
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.pipeline import PipelineStage, load_stage_state_dict, pipeline_step
 from megascale.parallel.rng import DropoutSeeds
-from megascale.parallel.tp_state import load_full_state_dict
+from megascale.parallel.tensor.apply import TPLayerFactory, parallelize
+from megascale.parallel.tensor.state import load_full_state_dict
 
 F64 = torch.float64
 SEED = 7

@@ -15,7 +15,7 @@ the chunked vocab-parallel loss; the MLP's moved ahead of the fused bias + GeLU)
 parallel block (its shared regions); the pipeline's last stage takes the chunked loss too (pp=2).
 float64 throughout: the strict check, where only summation order differs (1e-12 relative on
 losses and norms, as tests/test_trainer_parallel.py). The vocab-parallel chunked loss itself is
-also checked on its own against parallel/tp_loss.py's, values and both gradients, per rank.
+also checked on its own against parallel/tensor/loss.py's, values and both gradients, per rank.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def test_afab_with_chunks_runs_and_idles_less_than_without():
 
 
 def test_simulator_catches_a_deadlock(monkeypatch):
-    import megascale.parallel.pp_schedule as sched
+    import megascale.parallel.pipeline.schedule as sched
 
     real = sched.one_f_one_b
     # the last rank tries a backward before the forward it depends on
@@ -151,7 +151,7 @@ def test_simulator_catches_a_deadlock(monkeypatch):
 
 
 def test_simulator_catches_messages_out_of_order(monkeypatch):
-    import megascale.parallel.pp_schedule as sched
+    import megascale.parallel.pipeline.schedule as sched
 
     real = sched.one_f_one_b
     swapped = [sched.Op("F", 1), sched.Op("B", 1), sched.Op("F", 0), sched.Op("B", 0)]

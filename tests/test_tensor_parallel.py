@@ -11,18 +11,18 @@ from torch import nn
 
 from megascale.config import ConfigError, ModelConfig, ParallelConfig
 from megascale.model import GPT
-from megascale.parallel import comm
-from megascale.parallel.apply_tp import TPLayerFactory, check_tp, parallelize, tp_loss
 from megascale.parallel.mesh import Mesh
-from megascale.parallel.tp_grads import sync_partial_grads
-from megascale.parallel.tp_layers import (
+from megascale.parallel.tensor import comm
+from megascale.parallel.tensor.apply import TPLayerFactory, check_tp, parallelize, tp_loss
+from megascale.parallel.tensor.grads import sync_partial_grads
+from megascale.parallel.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceParallelPositions,
     VocabParallelEmbedding,
 )
-from megascale.parallel.tp_loss import vocab_parallel_cross_entropy
-from megascale.parallel.tp_state import full_state_dict, load_full_state_dict, shard
+from megascale.parallel.tensor.loss import vocab_parallel_cross_entropy
+from megascale.parallel.tensor.state import full_state_dict, load_full_state_dict, shard
 
 F64 = torch.float64
 B, S = 2, 6

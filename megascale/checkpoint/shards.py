@@ -159,7 +159,7 @@ def optimizer_chunks(optimizer, model: nn.Module, mesh: Mesh, tied: bool) -> lis
 
     Parameters without state yet (no step taken) have none; `ensure_optimizer_state` makes it.
     """
-    from megascale.parallel.dp_optimizer import DistributedOptimizer
+    from megascale.parallel.data.optimizer import DistributedOptimizer
 
     names = {id(p): n for n, p in model.named_parameters()}
     out = []
@@ -190,7 +190,7 @@ def optimizer_chunks(optimizer, model: nn.Module, mesh: Mesh, tied: bool) -> lis
 def ensure_optimizer_state(optimizer, keys: dict[str, tuple[bool, torch.dtype]]) -> None:
     """Give every parameter the state tensors `keys` names (key -> (is_scalar, dtype)), as zeros,
     so that a checkpoint can be copied into them before the first step."""
-    from megascale.parallel.dp_optimizer import DistributedOptimizer
+    from megascale.parallel.data.optimizer import DistributedOptimizer
 
     inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
     fused = any(g.get("fused") for g in inner.param_groups)

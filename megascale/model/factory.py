@@ -164,7 +164,7 @@ class Dropout(nn.Module):
     """nn.Dropout whose mask comes from the stream in use (see the top of this file).
 
     dropout_split is False (replicated over tp) unless tensor parallelism marks the region as
-    holding 1/tp of the sequence (apply_tp.parallelize).
+    holding 1/tp of the sequence (tensor.apply.parallelize).
     """
 
     def __init__(self, p: float):

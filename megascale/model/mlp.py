@@ -24,7 +24,7 @@ class GeluMLP(nn.Module):
         self.fc_out = factory.linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias, style="row")
         # model.fused_ops: fc_in's matmul run here, its bias added inside the fused GeLU (Megatron's
         # skip_bias_add; ops/activations.py). Tensor parallelism then brings the input in at the
-        # MLP's entry instead of inside fc_in (apply_tp.gather_before_mlp); same parameters.
+        # MLP's entry instead of inside fc_in (tensor.apply.gather_before_mlp); same parameters.
         self.fused_bias_gelu = cfg.fused_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ MFU does not count, as for any recomputation; measured 1.4x the unchunked loss's
 fit one chunk, that chunk's logits are kept for backward instead: the same peak, no recompute.
 
 Vocab-parallel (tensor parallelism, mesh given): W is this rank's (V/tp, d) slice of the padded
-vocabulary, as in parallel/tp_loss.py; columns past the true vocab_size are masked to -inf. Each
+vocabulary, as in parallel/tensor/loss.py; columns past the true vocab_size are masked to -inf. Each
 rank's chunks give a local logsumexp and the target's logit where this rank holds the target;
 after the last chunk two all-reduces (max, then sum of exp and of the target logits) give the
 global logsumexp, the same two collectives as the unchunked vocab-parallel loss, however many
@@ -118,7 +118,7 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
             for i in range(0, hidden.shape[0], chunk):
                 j = min(hidden.shape[0], i + chunk)
                 h = hidden[i:j].to(mm)
-                # the forward's logits, used up in place (as parallel/tp_loss.py), or recomputed
+                # the forward's logits, used up in place (as parallel/tensor/loss.py), or recomputed
                 g = kept if kept is not None else _chunk_logits(h, w, mm, sm, ctx.pad_from)
                 g.sub_(lse[i:j, None]).exp_()  # softmax (padding columns: exp(-inf) = 0)
                 g.scatter_add_(-1, local[i:j, None], -mine[i:j, None].to(sm))

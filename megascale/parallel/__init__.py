@@ -7,12 +7,12 @@
     loss.backward(); sync_partial_grads(model, mesh)     # then clip and step with the reducers
 """
 
-from megascale.parallel.apply_tp import TPLayerFactory, check_tp, parallelize, tp_loss
 from megascale.parallel.mesh import Mesh, coordinates, group_ranks, rank_grid
-from megascale.parallel.tp_grads import grad_norm_reducer, lamb_norm_reducer, sync_partial_grads
-from megascale.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from megascale.parallel.tp_loss import vocab_parallel_cross_entropy
-from megascale.parallel.tp_state import full_state_dict, load_full_state_dict
+from megascale.parallel.tensor.apply import TPLayerFactory, check_tp, parallelize, tp_loss
+from megascale.parallel.tensor.grads import grad_norm_reducer, lamb_norm_reducer, sync_partial_grads
+from megascale.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megascale.parallel.tensor.loss import vocab_parallel_cross_entropy
+from megascale.parallel.tensor.state import full_state_dict, load_full_state_dict
 
 __all__ = [
     "ColumnParallelLinear",

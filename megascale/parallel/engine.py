@@ -51,8 +51,7 @@ from megascale.fault.inject import skips
 from megascale.model import GPT
 from megascale.observe import timers
 from megascale.optim import Lamb, build_optimizer, clip_grad_norm_
-from megascale.parallel.apply_tp import TPLayerFactory, parallelize
-from megascale.parallel.dp_optimizer import DistributedOptimizer
+from megascale.parallel.data.optimizer import DistributedOptimizer
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.pipeline import (
     PipelineStage,
@@ -62,10 +61,11 @@ from megascale.parallel.pipeline import (
     num_microbatches,
     pipeline_step,
 )
-from megascale.parallel.pp_comm import FORWARD_TAG, P2P
+from megascale.parallel.pipeline.comm import FORWARD_TAG, P2P
 from megascale.parallel.rng import DropoutSeeds
-from megascale.parallel.tp_grads import grad_norm_reducer, lamb_norm_reducer, sync_partial_grads
-from megascale.parallel.tp_state import full_state_dict, load_full_state_dict
+from megascale.parallel.tensor.apply import TPLayerFactory, parallelize
+from megascale.parallel.tensor.grads import grad_norm_reducer, lamb_norm_reducer, sync_partial_grads
+from megascale.parallel.tensor.state import full_state_dict, load_full_state_dict
 
 Autocast = Callable[[], AbstractContextManager]
 

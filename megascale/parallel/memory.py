@@ -9,7 +9,7 @@ to dp included). tests/test_memory.py checks every figure against a run's real s
 * params, grads: the flat per-dtype buffers (padded), param dtype wide each.
 * optimizer: this rank's shard of two moments (AdamW and LAMB alike) plus one float32
   `step` scalar per tensor. Parameters are fp32 (or fp64), so the parameter shard is the
-  master copy: no separate master bytes (see dp_optimizer.py).
+  master copy: no separate master bytes (see data/optimizer.py).
 * activations: what autograd keeps from the forward for the backward of one micro-batch
   (counted per token, as the tensors our eager GPT saves; Korthikanti et al. 2022's terms
   plus norm statistics, the attention's log-sum-exp and the loss's log-probabilities),
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from megascale.config import ModelConfig, ParallelConfig
-from megascale.parallel.dp_buffers import DEFAULT_BUCKET_SIZE, plan_buckets
+from megascale.parallel.data.buffers import DEFAULT_BUCKET_SIZE, plan_buckets
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ def stage_modules(model, pp: int, stage: int) -> list:
 def stage_numels(cfg: ModelConfig, parallel: ParallelConfig, stage: int = 0) -> list[int]:
     """Element counts of the trainable tensors on one rank of `stage` (tp-local shapes), model order."""
     from megascale.model import GPT  # the model imports perf, perf must not import the runtime
-    from megascale.parallel.apply_tp import TPLayerFactory
     from megascale.parallel.mesh import Mesh
+    from megascale.parallel.tensor.apply import TPLayerFactory
 
     with torch.device("meta"):
         tp = parallel.tp

@@ -35,9 +35,9 @@ from megascale.model.gpt import GPT, IGNORE_INDEX, Embedding, check_model_config
 from megascale.model.rotary import Rotary
 from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
-from megascale.parallel.pp_schedule import SCHEDULES
-from megascale.parallel.tp_grads import grad_norm_reducer, sync_partial_grads
-from megascale.parallel.tp_state import full_state_dict, load_full_state_dict
+from megascale.parallel.pipeline.schedule import SCHEDULES
+from megascale.parallel.tensor.grads import grad_norm_reducer, sync_partial_grads
+from megascale.parallel.tensor.state import full_state_dict, load_full_state_dict
 
 
 def partition(n_layers: int, pp: int, vpp: int = 1) -> list[range]:

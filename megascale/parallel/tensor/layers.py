@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megascale.parallel import comm
 from megascale.parallel.mesh import Mesh
+from megascale.parallel.tensor import comm
 
 INPUT_MODES = {"copy": comm.copy_to_tp, "gather_seq": comm.gather_seq, "none": lambda x, mesh: x}
 OUTPUT_MODES = {"reduce": comm.reduce_from_tp, "reduce_scatter_seq": comm.reduce_scatter_seq}

@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from megascale.config import ConfigError, ModelConfig
 from megascale.model.factory import EMBEDDING_STYLES, LINEAR_STYLES, Dropout, LayerFactory
 from megascale.ops.cross_entropy import vocab_parallel_chunked_cross_entropy
-from megascale.parallel import comm
 from megascale.parallel.mesh import Mesh
-from megascale.parallel.tp_layers import (
+from megascale.parallel.tensor import comm
+from megascale.parallel.tensor.layers import (
     INPUT_MODES,
     ColumnParallelLinear,
     RowParallelLinear,
@@ -37,7 +37,7 @@ from megascale.parallel.tp_layers import (
     mark,
     zero_padding,
 )
-from megascale.parallel.tp_loss import vocab_parallel_cross_entropy
+from megascale.parallel.tensor.loss import vocab_parallel_cross_entropy
 
 
 def check_tp(cfg: ModelConfig, mesh: Mesh, sequence_parallel: bool) -> None:

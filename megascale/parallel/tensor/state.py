@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megascale.parallel.comm import all_gather_dim
 from megascale.parallel.mesh import Mesh
+from megascale.parallel.tensor.comm import all_gather_dim
 
 
 def shard(full: Tensor, dim: int, mesh: Mesh, local_size: int) -> Tensor:

@@ -14,7 +14,7 @@ One step on every rank of the mesh (dp and tp ranks too), after zero_grad:
 
 `microbatches` is the step's list of (idx, targets), one per micro-batch; only the first
 stage reads idx and only the last reads targets, so other ranks may pass None entries.
-The schedule ("afab", "1f1b", "interleaved", see pp_schedule.py) is a list of ops per rank;
+The schedule ("afab", "1f1b", "interleaved", see pipeline/schedule.py) is a list of ops per rank;
 this module is the one loop that runs any of them: an F receives its input (or embeds the
 tokens), runs the chunk and sends the output on (or keeps the loss); a B receives the
 output's gradient (or starts from the loss), back-propagates and sends the input's gradient
@@ -35,37 +35,9 @@ from torch import Tensor
 
 from megascale.config import ParallelConfig
 from megascale.observe import timers
-from megascale.parallel.pp_comm import BACKWARD_TAG, FORWARD_TAG, P2P
-from megascale.parallel.pp_schedule import SCHEDULES, Op, schedule_ops, simulate, theoretical_bubble
-from megascale.parallel.pp_stage import (
-    PipelineStage,
-    check_pipeline,
-    default_schedule,
-    gather_stage_state_dict,
-    load_stage_state_dict,
-    num_microbatches,
-    partition,
-    rank_chunks,
-)
-
-__all__ = [
-    "SCHEDULES",
-    "Op",
-    "PipelineStage",
-    "StepResult",
-    "activation_shape",
-    "check_pipeline",
-    "default_schedule",
-    "gather_stage_state_dict",
-    "load_stage_state_dict",
-    "num_microbatches",
-    "partition",
-    "pipeline_step",
-    "rank_chunks",
-    "schedule_ops",
-    "simulate",
-    "theoretical_bubble",
-]
+from megascale.parallel.pipeline.comm import BACKWARD_TAG, FORWARD_TAG, P2P
+from megascale.parallel.pipeline.schedule import schedule_ops
+from megascale.parallel.pipeline.stage import PipelineStage, check_pipeline, default_schedule
 
 
 @dataclass

@@ -40,9 +40,9 @@ from megascale.config import OptimConfig
 from megascale.observe import timers
 from megascale.optim import Lamb, clip_grad_norm_
 from megascale.optim.build import param_groups
-from megascale.parallel.dp_buffers import DEFAULT_BUCKET_SIZE, DPBuffers, Piece
+from megascale.parallel.data.buffers import DEFAULT_BUCKET_SIZE, DPBuffers, Piece
 from megascale.parallel.mesh import Mesh
-from megascale.parallel.tp_grads import is_split
+from megascale.parallel.tensor.grads import is_split
 
 
 class DistributedOptimizer:
@@ -140,7 +140,7 @@ class DistributedOptimizer:
         """Wait for every bucket's reduce-scatter, then sum partial (SP) gradients over tp, on the shard.
 
         Summing over tp commutes with summing over dp, and the tp ranks of one dp rank have the same
-        buckets, so the partial-gradient all-reduce of tp_grads.sync_partial_grads is done here on
+        buckets, so the partial-gradient all-reduce of tensor.grads.sync_partial_grads is done here on
         1/dp of the elements. Do not call sync_partial_grads with this optimizer.
         """
         if self.buffers._synced:
@@ -186,7 +186,7 @@ class DistributedOptimizer:
     def full_state_dict(self) -> dict:
         """The single-process optimizer's state_dict (params indexed as in optim.param_groups),
         gathered over dp on every rank: one all-gather per bucket and state tensor (exp_avg, ...).
-        Under tp it is the state of this tp rank's tensors (tp_state gathers those further)."""
+        Under tp it is the state of this tp rank's tensors (tensor.state gathers those further)."""
         inner = self.optimizer.state_dict()
         pieces = inner["state"]
         state = {i: {"step": s["step"].clone()} for i, s in pieces.items()}

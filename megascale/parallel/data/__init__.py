@@ -4,10 +4,10 @@ Every DP rank holds the whole model (or its tp x pp part) but only 1/dp of the o
 and updates only 1/dp of the weights. One step:
 
 1. backward accumulates each micro-batch's gradients into flat per-dtype buckets
-   (`dp_buffers.DPBuffers`); on the last micro-batch each complete bucket is
+   (`data.buffers.DPBuffers`); on the last micro-batch each complete bucket is
    reduce-scattered over dp while backward continues (`overlap_grad_reduce`, the off switch);
 2. the gradient shard is clipped by the global norm over the whole mesh and the optimizer
-   (AdamW or LAMB, unchanged classes) updates this rank's shard (`dp_optimizer`);
+   (AdamW or LAMB, unchanged classes) updates this rank's shard (`data.optimizer`);
 3. the updated shards are all-gathered back into every rank's parameters.
 
 Communication per step and bucket: one reduce-scatter and one all-gather, the same bytes as
@@ -23,7 +23,7 @@ one all-reduce, while optimizer state and its update work are divided by dp.
     opt.step()
 """
 
-from megascale.parallel.dp_buffers import DEFAULT_BUCKET_SIZE, Bucket, DPBuffers, Piece, plan_buckets
-from megascale.parallel.dp_optimizer import DistributedOptimizer
+from megascale.parallel.data.buffers import DEFAULT_BUCKET_SIZE, Bucket, DPBuffers, Piece, plan_buckets
+from megascale.parallel.data.optimizer import DistributedOptimizer
 
 __all__ = ["DEFAULT_BUCKET_SIZE", "Bucket", "DPBuffers", "DistributedOptimizer", "Piece", "plan_buckets"]

@@ -4,7 +4,7 @@ Shapes are static, (micro_batch, seq_len, d_model) with seq_len / tp under seque
 parallelism, so nothing but the payload travels (no shape handshake). Sends are
 asynchronous (isend): a rank never waits for its neighbour to take a message, only for the
 messages it needs, which is what makes any deadlock-free op order (see
-pp_schedule.simulate) run as written. Receives block, and the time spent blocked is the
+pipeline.schedule.simulate) run as written. Receives block, and the time spent blocked is the
 rank's bubble: what `wait_s` accumulates.
 
 Each direction has its own tag. With pp = 2 both neighbours are the same rank, and under

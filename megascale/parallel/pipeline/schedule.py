@@ -86,7 +86,7 @@ def interleaved(pp: int, rank: int, m: int, vpp: int) -> list[Op]:
 
 
 def schedule_ops(name: str, pp: int, rank: int, m: int, vpp: int = 1) -> list[Op]:
-    """The op list of one rank; the arguments are checked by `pp_stage.check_pipeline`."""
+    """The op list of one rank; the arguments are checked by `pipeline.stage.check_pipeline`."""
     if name == "afab":
         return afab(pp, rank, m, vpp)
     if name == "1f1b":
