@@ -76,7 +76,12 @@ class ParallelConfig:
     # pipeline schedule: "auto" (1f1b, or interleaved when vpp > 1), "1f1b", "interleaved", "afab"
     schedule: str = "auto"
     dp_bucket_size: int = 40_000_000  # elements per gradient bucket of the distributed optimizer (dp > 1)
-    dp_overlap_grad_reduce: bool = True  # reduce-scatter buckets during backward (dp > 1, pp = 1)
+    # MegaScale's communication overlap, one off switch per dimension (benchmarks/overlap.py):
+    dp_overlap_grad_reduce: bool = True  # reduce-scatter each bucket as its gradients complete in backward
+    dp_overlap_param_gather: bool = True  # all-gather each bucket after the step, wait before its first use
+    pp_overlap: bool = True  # receives posted ahead of the compute that needs them, sends completed lazily
+    tp_overlap: bool = False  # all-gather/reduce-scatter pipelined with the TP GEMMs in chunks (tp > 1)
+    tp_overlap_chunks: int = 2  # chunks per overlapped TP GEMM (tp_overlap)
 
     @property
     def world_size(self) -> int:
@@ -402,7 +407,7 @@ def validate(cfg: Config) -> None:
             f"train.micro_batch={t.micro_batch} x parallel.dp={p.dp}"
         )
 
-    for name in ("tp", "pp", "vpp", "dp_bucket_size"):
+    for name in ("tp", "pp", "vpp", "dp_bucket_size", "tp_overlap_chunks"):
         _positive(f"parallel.{name}", getattr(p, name))
     _positive("parallel.dp", p.dp, allow_zero=True)  # 0: from the world, at start (check_world_size)
     _choice("parallel.schedule", p.schedule, ("auto", "1f1b", "interleaved", "afab"))
