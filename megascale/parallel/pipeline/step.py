@@ -67,6 +67,7 @@ def pipeline_step(
     sequence_parallel: bool = False,
     forward_context: Callable[[], AbstractContextManager] | None = None,
     dropout: Callable[[int], AbstractContextManager] | None = None,
+    backward_context: Callable[[int, int], AbstractContextManager] | None = None,
 ) -> StepResult:
     """Forwards and backwards of one step on this rank; gradients accumulate in the stage's parameters.
 
@@ -74,6 +75,8 @@ def pipeline_step(
     Trainer does on one process: backward runs outside it. dropout(i) (DropoutSeeds.for_step(step),
     megascale/parallel/rng.py) is entered around each forward of micro-batch i: its masks, which
     recomputation in the backward replays by itself. None: dropout draws from the global generator.
+    backward_context(microbatch, chunk) is entered around each backward: the distributed optimizer's
+    gradient sync, which reduces a chunk's buckets during that chunk's last micro-batch's backward.
     """
     mesh, m = stage.mesh, len(microbatches)
     pp, vpp = mesh.pp, stage.vpp
@@ -107,12 +110,12 @@ def pipeline_step(
             inputs[key], outputs[key] = x, out
         else:
             x, out = inputs.pop(key), outputs.pop(key)
-            if vs == last_vs:
-                with timers.span("backward", micro=op.microbatch, chunk=op.chunk):
+            grad = None if vs == last_vs else comm.recv(mesh.pp_next_rank, BACKWARD_TAG)
+            with backward_context(op.microbatch, op.chunk) if backward_context else nullcontext(), \
+                    timers.span("backward", micro=op.microbatch, chunk=op.chunk):
+                if grad is None:
                     out.backward()
-            else:
-                grad = comm.recv(mesh.pp_next_rank, BACKWARD_TAG)
-                with timers.span("backward", micro=op.microbatch, chunk=op.chunk):
+                else:
                     torch.autograd.backward(out, grad.to(out.dtype))
             if vs > 0:
                 comm.send(x.grad, mesh.pp_prev_rank, BACKWARD_TAG)
