@@ -28,10 +28,15 @@ Composition rules (each has a test through the Trainer, tests/test_trainer_paral
   copies sit at different places of their stages' buckets, only whole gradients line up.
 * The global grad norm counts the tied matrix once: the head's copy is excluded from the
   distributed optimizer's norm as from PipelineStage.grad_norm_reducer.
-* With pp > 1 the distributed optimizer does not overlap its reduce-scatter with backward:
-  its no_sync/last-micro-batch logic assumes plain gradient accumulation, whereas a pipeline
-  interleaves the micro-batches' backwards; the buckets are reduce-scattered after the step's
-  last backward instead (parallel.dp_overlap_grad_reduce is ignored there).
+* With pp > 1 the distributed optimizer reduces a chunk's buckets during that chunk's last
+  micro-batch's backward (the pipeline interleaves micro-batches, so the schedule, through
+  pipeline_step's backward_context, decides when a gradient is final). The tied matrix's two
+  copies wait for finish_tied_grads: they sit in buckets of their own at the buffer's end.
+* With parallel.dp_overlap_param_gather the step returns with the parameter all-gathers in
+  flight; the model's forward pre-hooks wait for each bucket before its first use, and every
+  other reader of the weights here (checkpoint chunks, evaluation, the full state dict, loading)
+  calls `_weights_ready` first. Not under train.compile (a hook's wait inside a compiled graph):
+  there the step gathers before it returns.
 """
 
 from __future__ import annotations
@@ -124,9 +129,11 @@ class ParallelEngine:
         self.distributed = mesh.dp > 1
         self.norm_reducer = None
         if self.distributed:
+            tied = [self.model.tied_weight()] if self.pipelined and self.model.tied else []
             self.optimizer = DistributedOptimizer(
                 self.model, cfg.optim, mesh, bucket_size=p.dp_bucket_size,
-                overlap_grad_reduce=p.dp_overlap_grad_reduce and not self.pipelined, norm_exclude=duplicates)
+                overlap_grad_reduce=p.dp_overlap_grad_reduce, norm_exclude=duplicates,
+                overlap_param_gather=p.dp_overlap_param_gather and not t.compile, deferred=tied)
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
             if isinstance(self.optimizer, Lamb) and mesh.tp > 1:
@@ -140,10 +147,12 @@ class ParallelEngine:
 
     def model_chunks(self) -> list[Chunk]:
         """This rank's boxes of the global weights (views, not copies)."""
+        self._weights_ready()
         return model_chunks(self.model, self.mesh, self.tied)
 
     def optimizer_chunks(self) -> list[Chunk]:
         """This rank's boxes of the global optimizer state (views, not copies)."""
+        self._weights_ready()
         return optimizer_chunks(self.optimizer, self.model, self.mesh, self.tied)
 
     @torch.no_grad()
@@ -151,6 +160,7 @@ class ParallelEngine:
         """Data-parallel replica 0's weights to the other replicas (a restore read them once)."""
         if self.mesh.dp == 1:
             return
+        self._weights_ready()
         src = self.mesh.rank_at(0, self.mesh.pp_rank, self.mesh.tp_rank)
         flat = torch.cat([p.data.reshape(-1) for p in self.params])
         dist.broadcast(flat, src=src, group=self.mesh.dp_group)
@@ -160,9 +170,15 @@ class ParallelEngine:
 
     # ------------------------------------------------------------------ weights
 
+    def _weights_ready(self) -> None:
+        """Wait for parameter all-gathers still in flight from the last step (dp_overlap_param_gather)."""
+        if isinstance(getattr(self, "optimizer", None), DistributedOptimizer):  # (not built yet in __init__)
+            self.optimizer.wait_params()
+
     def load_model_state(self, full: dict[str, Tensor]) -> None:
         """Load a one-process state dict (this rank's part of it). KeyError/ValueError/RuntimeError
         when it does not fit the model config."""
+        self._weights_ready()  # a gather in flight would overwrite what is loaded
         if self.pipelined:
             load_stage_state_dict(self.model, full)
         elif self.factory is not None:
@@ -175,6 +191,7 @@ class ParallelEngine:
 
         Collective over the model-parallel ranks of replica 0: every rank must call it.
         """
+        self._weights_ready()
         if self.mesh.dp_rank != 0:
             return None
         if self.single:
@@ -200,7 +217,8 @@ class ParallelEngine:
         if self.pipelined:
             result = pipeline_step(self.model, mbs, mb, self.schedule, self.sequence_parallel,
                                    forward_context=autocast,
-                                   dropout=self.dropout.for_step(step) if self.dropout else None)
+                                   dropout=self.dropout.for_step(step) if self.dropout else None,
+                                   backward_context=self._grad_sync if self.distributed else None)
             self.bubble = result.bubble
             return torch.tensor(result.loss, dtype=torch.float64, device=self.device)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -215,6 +233,10 @@ class ParallelEngine:
                     (loss / n).backward()
             loss_sum += loss.detach()
         return loss_sum / n
+
+    def _grad_sync(self, microbatch: int, chunk: int) -> AbstractContextManager:
+        """Under pp: a chunk's gradients are final in its last micro-batch's backward; reduce then."""
+        return contextlib.nullcontext() if microbatch == self.n_micro - 1 else self.optimizer.no_sync()
 
     def clip_grads(self, max_norm: float) -> Tensor:
         """Finish the gradients (TP partial sums, tied copies, dp reduce-scatter) and clip by the global
@@ -269,6 +291,7 @@ class ParallelEngine:
     def evaluate(self, samples, batches: int, autocast: Autocast) -> float:
         """Mean loss over validation micro-batches 0 .. batches-1 (the one-process set), split over dp."""
         self.model.eval()
+        self._weights_ready()
         mb, mesh = self.micro_batch, self.mesh
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in range(mesh.dp_rank, batches, mesh.dp):

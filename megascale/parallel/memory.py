@@ -67,8 +67,10 @@ def stage_modules(model, pp: int, stage: int) -> list:
     return mods
 
 
-def stage_numels(cfg: ModelConfig, parallel: ParallelConfig, stage: int = 0) -> list[int]:
-    """Element counts of the trainable tensors on one rank of `stage` (tp-local shapes), model order."""
+def stage_numels(cfg: ModelConfig, parallel: ParallelConfig, stage: int = 0) -> tuple[list[int], int | None]:
+    """Element counts of the trainable tensors on one rank of `stage` (tp-local shapes), in the
+    buffers' order (backward order, the deferred copy of a tied matrix last), and where the
+    deferred tensors start (None: none)."""
     from megascale.model import GPT  # the model imports perf, perf must not import the runtime
     from megascale.parallel.mesh import Mesh
     from megascale.parallel.tensor.apply import TPLayerFactory
@@ -76,13 +78,17 @@ def stage_numels(cfg: ModelConfig, parallel: ParallelConfig, stage: int = 0) -> 
     with torch.device("meta"):
         tp = parallel.tp
         model = GPT(cfg, TPLayerFactory(Mesh(1, 1, tp, 0), parallel.sequence_parallel) if tp > 1 else None)
-    seen, numels = set(), []
+    seen, params = set(), []
     for m in stage_modules(model, parallel.pp, stage):
         for p in m.parameters():
             if id(p) not in seen:  # a tied weight once
                 seen.add(id(p))
-                numels.append(p.numel())
-    return numels
+                params.append(p)
+    # a pipeline's copy of a tied matrix waits for the cross-stage sum: the buffer's end (data/buffers.py)
+    tied = model.embed.tok.weight if cfg.tie_embeddings and parallel.pp > 1 else None
+    order = [p for p in reversed(params) if p is not tied] + [p for p in reversed(params) if p is tied]
+    first_deferred = len(params) - 1 if any(p is tied for p in params) else None
+    return [p.numel() for p in order], first_deferred
 
 
 def activation_bytes_per_token(cfg: ModelConfig, tp: int, dtype_bytes: int) -> tuple[float, float, float]:
@@ -120,8 +126,8 @@ def memory_per_rank(
         raise ValueError(f"memory_per_rank: parameters are float32 or float64, got {dtype}")
     recompute = cfg.recompute if recompute is None else recompute
     wb = torch.finfo(dtype).bits // 8
-    numels = stage_numels(cfg, parallel, stage)[::-1]  # the buffers' (backward) order
-    buffer = plan_buckets(numels, bucket_size, parallel.dp)[-1][1]
+    numels, first_deferred = stage_numels(cfg, parallel, stage)
+    buffer = plan_buckets(numels, bucket_size, parallel.dp, first_deferred)[-1][1]
     shard = buffer // parallel.dp
     tokens = micro_batch * cfg.seq_len
     block, edge, block_input = activation_bytes_per_token(cfg, parallel.tp, wb)

@@ -22,6 +22,18 @@ backward goes on computing earlier layers. Buckets are launched strictly in inde
 collectives in the same order whatever order autograd finished them in. A bucket some of
 whose parameters got no gradient on this rank (a tp row bias used on tp rank 0 only) is
 launched by `finish_grad_sync`. `overlap=False` launches everything there, after backward.
+Under a pipeline the schedule interleaves micro-batches, so the caller opens the sync for the
+last micro-batch's backward of each chunk (pipeline_step's backward_context). Parameters whose
+gradient needs another collective first (`deferred`: a pipeline's two copies of a tied matrix,
+summed across stages) sit at the end of the buffer, are never launched by the hook, and go in
+`finish_grad_sync` after that collective, so they do not hold back the buckets before them.
+
+Why the all-gather of the updated parameters may run into the next step
+(`start_param_gather`, MegaScale's parameter prefetch): every bucket's all-gather is launched
+right after the optimizer step, in the order the forward consumes the buckets (the reverse of
+their index), and `wait_param_gather` waits for a bucket only when a module that uses it is
+about to run (the optimizer's forward pre-hooks), so the gathers overlap fetching the next
+batch and the first layers' forward.
 """
 
 from __future__ import annotations
@@ -52,11 +64,13 @@ class Piece:
     shard_offset: int
 
 
-def plan_buckets(numels: list[int], bucket_size: int, dp: int) -> list[tuple[int, int, list[int]]]:
+def plan_buckets(numels: list[int], bucket_size: int, dp: int,
+                 break_before: int | None = None) -> list[tuple[int, int, list[int]]]:
     """(start, end, parameter indices) of each bucket over parameters laid out in the given order.
 
-    A bucket closes once it holds >= bucket_size elements; its end is padded to a multiple
-    of dp so it splits into equal shards. Pure arithmetic, so it is tested without processes.
+    A bucket closes once it holds >= bucket_size elements, and before parameter `break_before`
+    (the deferred ones start their own bucket); its end is padded to a multiple of dp so it
+    splits into equal shards. Pure arithmetic, so it is tested without processes.
     """
     if bucket_size <= 0:
         raise ValueError(f"bucket_size must be > 0, got {bucket_size}")
@@ -64,7 +78,7 @@ def plan_buckets(numels: list[int], bucket_size: int, dp: int) -> list[tuple[int
     for i, n in enumerate(numels):
         members.append(i)
         offset += n
-        if offset - start >= bucket_size or i == len(numels) - 1:
+        if offset - start >= bucket_size or i == len(numels) - 1 or i + 1 == break_before:
             end = start + -(-(offset - start) // dp) * dp
             buckets.append((start, end, members))
             start = offset = end
@@ -118,25 +132,31 @@ class DPBuffers:
     """
 
     def __init__(self, params: list[nn.Parameter], mesh: Mesh, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                 overlap: bool = True):
+                 overlap: bool = True, deferred: list[nn.Parameter] = ()):
         self.mesh, self.overlap = mesh, overlap
+        self._deferred = {id(p) for p in deferred}
         self.param_buffers: dict[torch.dtype, Tensor] = {}
         self.grad_buffers: dict[torch.dtype, Tensor] = {}
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, Bucket] = {}
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in reversed(params):  # backward order: the last layers' gradients come first
+        order = [p for p in reversed(params) if id(p) not in self._deferred]  # backward order: the last
+        order += [p for p in reversed(params) if id(p) in self._deferred]  # layers' gradients come first
+        for p in order:
             by_dtype.setdefault(p.dtype, []).append(p)
         for dtype, group in by_dtype.items():
             self._build(dtype, group, bucket_size)
         self._sync_enabled = True
         self._next = 0  # index of the next bucket to launch
         self._synced = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params] if overlap else []
+        self._gathering: list[tuple[Bucket, object]] = []  # param all-gathers in flight, in issue order
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params
+                       if id(p) not in self._deferred] if overlap else []
 
     @torch.no_grad()
     def _build(self, dtype: torch.dtype, params: list[nn.Parameter], bucket_size: int) -> None:
-        plan = plan_buckets([p.numel() for p in params], bucket_size, self.mesh.dp)
+        first_deferred = next((i for i, p in enumerate(params) if id(p) in self._deferred), None)
+        plan = plan_buckets([p.numel() for p in params], bucket_size, self.mesh.dp, first_deferred)
         total = plan[-1][1]
         device = params[0].device
         data = torch.zeros(total, dtype=dtype, device=device)
@@ -206,11 +226,32 @@ class DPBuffers:
     @torch.no_grad()
     def gather_params(self) -> None:
         """All-gather the updated shards into every rank's full parameters (all buckets in flight at once)."""
-        works = [b.start_param_gather() for b in self.buckets]
-        for w in works:
+        self.start_param_gather()
+        self.wait_param_gather()
+
+    @torch.no_grad()
+    def start_param_gather(self) -> None:
+        """Launch every bucket's all-gather, the forward's first bucket (the highest index) first."""
+        self.wait_param_gather()  # a gather still in flight would race the new one on the same buffer
+        for b in reversed(self.buckets):
+            w = b.start_param_gather()
             if w is not None:
-                pending, work = w
-                pending.wait(work)
+                self._gathering.append((b, w))
+
+    def wait_param_gather(self, buckets: set[int] | None = None) -> None:
+        """Wait until the given buckets (indices; None: all) hold the gathered parameters.
+
+        Gathers complete in issue order, so it waits for everything issued before them as well:
+        the wait never skips a bucket a caller may read next.
+        """
+        while self._gathering:
+            if buckets is not None and not buckets.intersection(b.index for b, _ in self._gathering):
+                return
+            _, (pending, work) = self._gathering.pop(0)
+            pending.wait(work)
+
+    def bucket_index(self, p: nn.Parameter) -> int:
+        return self._bucket_of[id(p)].index
 
     def zero_grad(self) -> None:
         for g in self.grad_buffers.values():

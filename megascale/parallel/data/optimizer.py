@@ -49,9 +49,14 @@ class DistributedOptimizer:
     """AdamW or Lamb over this rank's shard of the model's flat buffers (see the module docstring)."""
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                 overlap_grad_reduce: bool = True, norm_exclude: Iterable[Tensor] = ()):
+                 overlap_grad_reduce: bool = True, norm_exclude: Iterable[Tensor] = (),
+                 overlap_param_gather: bool = False, deferred: Iterable[Tensor] = ()):
         """norm_exclude: parameters the global grad norm must not count (a pipeline's second copy of a
-        tied matrix, PipelineStage.norm_duplicates()); they are still updated."""
+        tied matrix, PipelineStage.norm_duplicates()); they are still updated.
+        overlap_param_gather: the step launches the parameter all-gathers and returns; each module
+        waits for its buckets in a forward pre-hook (call `wait_params` before reading the weights
+        any other way). deferred: parameters whose gradients another collective completes after
+        backward (DPBuffers)."""
         groups = param_groups(model, cfg.weight_decay)  # the single-process groups: one source of truth
         if not groups:
             raise ValueError("DistributedOptimizer: the model has no trainable parameters")
@@ -62,7 +67,9 @@ class DistributedOptimizer:
                                 "(train in bf16 with autocast, which keeps fp32 weights)")
         self.mesh, self.cfg = mesh, cfg
         self._norm_exclude = {id(p) for p in norm_exclude}
-        self.buffers = DPBuffers(self.params, mesh, bucket_size, overlap_grad_reduce)
+        self.buffers = DPBuffers(self.params, mesh, bucket_size, overlap_grad_reduce, list(deferred))
+        self.overlap_param_gather = overlap_param_gather
+        self._prefetch_hooks = _wait_before_use(model, self.buffers) if overlap_param_gather else []
         by_id = self.buffers.pieces()
         self.pieces: list[Piece] = [by_id[id(p)] for p in self.params]  # single-optimizer order
         self.views = [self._view(pc) for pc in self.pieces]
@@ -163,9 +170,17 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.finish_grad_sync()
+        self.wait_params()  # a bucket no forward used: its gather must end before its shard changes
         with timers.span("optimizer"):
             self.optimizer.step()
-        self.buffers.gather_params()
+        if self.overlap_param_gather:
+            self.buffers.start_param_gather()  # waited for module by module in the next forward
+        else:
+            self.buffers.gather_params()
+
+    def wait_params(self) -> None:
+        """Block until every parameter holds its gathered value (a no-op unless gathers are in flight)."""
+        self.buffers.wait_param_gather()
 
     # ---- state
 
@@ -213,6 +228,32 @@ class DistributedOptimizer:
             state[int(i)] = {k: (v.flatten()[pc.start:pc.start + pc.numel].clone() if k != "step" else v)
                              for k, v in s.items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+
+
+def _wait_before_use(model: nn.Module, buffers: DPBuffers) -> list:
+    """Forward pre-hooks that wait for the all-gathers of the buckets a module is about to read.
+
+    Megatron-Core's overlap_param_gather hooks: the forward meets the modules in order, so each
+    wait lets the gathers of later layers run on under this layer's compute. A module waits for
+    its whole subtree, not only the parameters it owns: fused ops read a child's weight without
+    calling the child (the MLP's fused bias + GeLU reads fc_in.weight, a fused add + norm the
+    norm's). For the same reason the final norm also waits for the head: the chunked loss of
+    model.fused_ops may read head.weight without calling the head.
+    """
+    def buckets(module: nn.Module | None) -> set[int]:
+        if module is None:
+            return set()
+        return {buffers.bucket_index(p) for p in module.parameters() if p.requires_grad}
+
+    hooks = []
+    for name, module in model.named_modules():
+        owned = buckets(module)
+        if name == "norm":
+            owned |= buckets(getattr(model, "head", None))
+        if owned and module is not model:
+            hooks.append(module.register_forward_pre_hook(
+                lambda _m, _args, owned=owned: buffers.wait_param_gather(owned)))
+    return hooks
 
 
 def _inner_optimizer(groups: list[dict], cfg: OptimConfig, on_cuda: bool) -> torch.optim.Optimizer:
