@@ -1,0 +1,259 @@
+"""How much communication the overlaps hide, per dimension, on a simulated cluster with slow links.
+
+On loopback gloo communication is CPU work and nothing of an overlap shows, so every rank here
+runs on a host of its own (a network namespace, megascale/fault/netns.py) whose link is limited
+with `tc tbf` (default 1000 Mbit/s): each collective of the measured dimension crosses a real,
+slow wire. For each dimension (dp, pp, tp) and all together, the real Trainer runs four ways,
+Domino's method (Wang et al. 2024):
+
+  T_serial   the dimension's overlap flags off: collectives where the computation waits on them
+  T_overlap  the flags on
+  T_nocomm   flags on, the dimension's collectives replaced by no-ops of the same shapes
+  T_comm     the collectives of one overlapped step replayed alone, back to back, no compute
+
+  H = (T_serial - T_overlap) / (T_serial - T_nocomm)   the fraction of the exposed communication hidden
+
+and, from the always-on timers (observe/breakdown.py), the communication each dimension left
+exposed per step, and the compute time (for tp: what splitting the GEMMs into chunks costs).
+Times are medians over steps of the slowest rank's step, all measured in one run. Goals of
+issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
+slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
+
+    sudo .venv/bin/python benchmarks/overlap.py [--dims dp pp tp all] [--mbit 1000] [--steps 6]
+
+Needs root (namespaces, tc); where they cannot be made it says why and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# dimension: (layout overrides, world, the flags that turn its overlap on, the mesh groups it owns)
+DIMS = {
+    "dp": (["parallel.dp=2"], 2, ["dp_overlap_grad_reduce", "dp_overlap_param_gather"], ("dp",)),
+    "pp": (["parallel.pp=2"], 2, ["pp_overlap"], ("pp",)),
+    "tp": (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, ["tp_overlap"], ("tp",)),
+    "all": (["parallel.dp=2", "parallel.pp=2"], 4,
+            ["dp_overlap_grad_reduce", "dp_overlap_param_gather", "pp_overlap", "tp_overlap"],
+            ("dp", "pp", "tp")),
+}
+VARIANTS = ("serial", "overlap", "nocomm")
+
+
+def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> list[str]:
+    layout, world, flags, _ = DIMS[dim]
+    on = variant != "serial"
+    # dp alone: one micro-batch per rank, so the whole backward can hide the reduce-scatters (with m
+    # micro-batches only the last one's backward runs while gradients are final: --dp-micro to see it)
+    micro = a.dp_micro or a.batch // world if dim == "dp" else a.micro
+    return [
+        f"model.n_layers={a.layers}", f"model.d_model={a.d_model}", "model.n_heads=4",
+        f"model.seq_len={a.seq}", "model.dropout=0.0", f"train.global_batch={a.batch}",
+        f"train.micro_batch={micro}", "train.steps=1000",
+        "train.eval_interval=0", "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0",
+        "log.peak_flops=1e9", "checkpoint.interval=0", "checkpoint.memory_interval=0",
+        f"parallel.dp_bucket_size={a.bucket}", f"parallel.tp_overlap_chunks={a.tp_chunks}",
+        f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
+        f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}",
+        f"train.run_dir={json.dumps(run_dir)}", *layout, *[f"parallel.{f}={str(on).lower()}" for f in flags],
+    ]
+
+
+# ---------------------------------------------------------------------- no-op and recorded collectives
+
+
+class _Done:
+    """A finished Work: what a no-op collective returns."""
+
+    def wait(self, *_a, **_k) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class Collectives:
+    """Wraps torch.distributed's collectives: on the chosen groups, record each call's shapes, or
+    replace it with a no-op (the receive's buffer zeroed, so no garbage reaches the loss)."""
+
+    NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+             "reduce_scatter_tensor", "broadcast", "isend", "irecv")
+
+    def __init__(self, groups: set):
+        import torch.distributed as dist
+
+        self.dist, self.groups, self.mode, self.calls = dist, groups, "pass", []
+        self.real = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        for name, fn in self.real.items():
+            setattr(dist, name, self._wrap(name, fn))
+
+    def _wrap(self, name, fn):
+        def call(*args, **kw):
+            group = kw.get("group")
+            if self.mode == "pass" or group not in self.groups:
+                return fn(*args, **kw)
+            tensors = [a for a in args if hasattr(a, "shape")]
+            if self.mode == "record":
+                self.calls.append((name, group, [(t.shape, t.dtype) for t in tensors],
+                                   {k: v for k, v in kw.items() if k in ("dst", "src", "tag", "op")}))
+                return fn(*args, **kw)
+            if name == "irecv":
+                tensors[0].zero_()
+            return _Done() if kw.get("async_op") or name in ("isend", "irecv") else None
+        return call
+
+    def replay(self) -> float:
+        """The recorded calls again with fresh tensors: collectives blocking in order, p2p in flight
+        together (a blocking receive could wait on a send the peer issues later); seconds."""
+        import torch
+
+        self.dist.barrier()
+        t0, pending = time.perf_counter(), []
+        for name, group, shapes, kw in self.calls:
+            tensors = [torch.zeros(s, dtype=d) for s, d in shapes]
+            if name in ("isend", "irecv"):
+                pending.append(self.real[name](tensors[0], group=group, **kw))
+            else:
+                self.real[name](*tensors, group=group, **{k: v for k, v in kw.items() if k == "src"})
+        for w in pending:
+            w.wait()
+        return time.perf_counter() - t0
+
+
+OWNER = {"dp": "dp", "tp": "tp", "pp": "pp", "emb": "pp"}  # a mesh group's prefix -> its dimension
+# (mp_group, the tp x pp grad-norm sum, is one scalar a step: left real)
+
+
+def mesh_groups(mesh, dims: tuple[str, ...]) -> set:
+    """The process groups of the mesh that belong to the given dimensions (by attribute name)."""
+    return {value for name, value in vars(mesh).items()
+            if name.endswith("group") and value is not None and OWNER.get(name.split("_")[0]) in dims}
+
+
+# ---------------------------------------------------------------------- one rank
+
+
+def worker(a: argparse.Namespace) -> None:
+    """On every rank (a host of the cluster): the three variants and the replay of one dimension."""
+    import torch
+
+    from megascale.config import load_config
+    from megascale.observe.breakdown import step_breakdown
+    from megascale.observe.trace import read_run
+    from megascale.train import Trainer
+
+    torch.set_num_threads(1)
+    dim, rank, out = a.worker, int(os.environ["RANK"]), {}
+    wrapper = None
+    for variant in VARIANTS:
+        run_dir = tempfile.mkdtemp(prefix=f"overlap-{dim}-{variant}-")
+        trainer = Trainer(load_config(None, overrides(a, dim, variant, run_dir)), quiet=True)
+        if wrapper is None:
+            wrapper = Collectives(set())
+        wrapper.groups = mesh_groups(trainer.mesh, DIMS[dim][3])
+        for step in range(a.warmup + a.steps):
+            wrapper.mode = "nocomm" if variant == "nocomm" and step >= a.warmup else "pass"
+            if variant == "overlap" and step == a.warmup:
+                wrapper.mode, wrapper.calls = "record", []
+            trainer.train_step()
+        wrapper.mode = "pass"
+        trainer.close()
+        breakdown = step_breakdown(read_run(run_dir))
+        rows = [breakdown["max"][s] for s in breakdown["steps"][a.warmup:]]
+        out[variant] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out["comm"] = statistics.median(wrapper.replay() for _ in range(3))
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+
+
+# ---------------------------------------------------------------------- the cluster
+
+
+def run_dim(cluster, a: argparse.Namespace, dim: str, port: int) -> dict:
+    world = DIMS[dim][1]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", dim, *a.forward]
+    procs = []
+    for r in range(world):
+        env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": cluster.addr(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(ROOT)}
+        procs.append(cluster.popen(r, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True))
+    outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
+    for p, text in zip(procs, outs, strict=True):
+        if p.returncode:
+            raise RuntimeError(f"overlap {dim}: a rank exited {p.returncode}:\n{text[-3000:]}")
+    line = next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def report(dim: str, r: dict) -> str:
+    serial, over, nocomm = (r[v]["wall"] for v in VARIANTS)
+    exposed = serial - nocomm
+    hidden = (serial - over) / exposed if exposed > 0 else float("nan")
+    streams = ("dp", "pp", "tp") if dim == "all" else (dim,)
+    exp = " ".join(f"{s} {r['serial'][f'exposed_{s}'] * 1e3:.0f}->{r['overlap'][f'exposed_{s}'] * 1e3:.0f} ms"
+                   for s in streams)
+    bubble = f", pp wait {r['overlap']['bubble'] / over:.1%} of the step" if dim in ("pp", "all") else ""
+    compute = r["overlap"]["compute"] / r["serial"]["compute"] if r["serial"]["compute"] else float("nan")
+    return (f"{dim:>4}  T_serial {serial:6.3f}  T_overlap {over:6.3f}  T_nocomm {nocomm:6.3f}  "
+            f"T_comm {r['comm']:6.3f} s   H {hidden:6.1%}   T_overlap/T_nocomm {over / nocomm:5.2f}   "
+            f"exposed {exp}{bubble}; compute x{compute:.2f}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dims", nargs="+", default=list(DIMS), choices=list(DIMS))
+    p.add_argument("--mbit", type=float, default=1000.0, help="each host's link, tc tbf")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--micro", type=int, default=2, help="micro-batch of the pp, tp and all runs")
+    p.add_argument("--dp-micro", type=int, default=0, help="micro-batch of the dp run (0: batch / dp)")
+    p.add_argument("--bucket", type=int, default=500_000, help="parallel.dp_bucket_size")
+    p.add_argument("--tp-chunks", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--worker", choices=list(DIMS), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        worker(a)
+        return 0
+    a.forward = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
+                 ("steps", "warmup", "layers", "d_model", "seq", "batch", "micro", "dp_micro", "bucket",
+                  "tp_chunks")]
+
+    from megascale.config import load_config
+    from megascale.data import ensure_dataset
+    from megascale.fault import netns
+
+    ok, why = netns.available(shaping=True)
+    if not ok:
+        print(f"overlap: skipped, {why}")
+        return 0
+    ensure_dataset(load_config(None, overrides(a, "dp", "serial", "unused")).data, progress=False)
+    hosts = max(DIMS[d][1] for d in a.dims)
+    print(f"GPT {a.layers} layers, d_model {a.d_model}, seq {a.seq}, global batch {a.batch} in micro-batches "
+          f"of {a.micro} (dp alone: {a.dp_micro or a.batch // 2}); one rank per host, links {a.mbit:.0f} "
+          f"Mbit/s (tc tbf); median of {a.steps} steps after {a.warmup}, slowest rank", flush=True)
+    with netns.SimCluster(hosts, mbit=a.mbit) as cluster:
+        for i, dim in enumerate(a.dims):
+            print(report(dim, run_dim(cluster, a, dim, 29500 + i)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Smoke test of benchmarks/overlap.py: every dimension's four step times on a simulated cluster."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_overlap_benchmark_runs_on_a_simulated_cluster():
+    from _cluster import require_netns
+
+    from megascale.fault import netns
+
+    require_netns(shaping=True)
+    before = set(netns.namespaces())
+    tiny = ["--steps", "1", "--warmup", "1", "--layers", "2", "--d-model", "32", "--seq", "16",
+            "--batch", "8", "--bucket", "2000", "--mbit", "200"]
+    r = subprocess.run([sys.executable, "benchmarks/overlap.py", *tiny], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    for dim in ("dp", "pp", "tp", "all"):
+        times = r"  ".join(rf"{t} +[\d.]+" for t in ("T_serial", "T_overlap", "T_nocomm", "T_comm"))
+        assert re.search(rf"^ *{dim}  {times} s +H ", r.stdout, re.M), r.stdout
+    assert "exposed dp" in r.stdout and "pp wait" in r.stdout
+    assert set(netns.namespaces()) <= before  # torn down
