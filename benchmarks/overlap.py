@@ -49,6 +49,18 @@ DIMS = {
             ("dp", "pp", "tp")),
 }
 VARIANTS = ("serial", "overlap", "nocomm")
+OFF = [f"parallel.{f}=false" for f in DIMS["all"][2]]
+# MegaScale's ablation (its Table 2), cumulative rows on one dp2 x pp2 x tp2 layout, one rank per host
+ABLATION = [
+    ("baseline", ["model.block=sequential", "model.attention=full", *OFF]),
+    ("+ parallel block", ["model.block=parallel"]),
+    ("+ sliding window", ["model.attention=sliding", "model.window={window}"]),
+    ("+ TP overlap", ["parallel.tp_overlap=true"]),
+    ("+ PP overlap", ["parallel.pp_overlap=true"]),
+    ("+ DP overlap", ["parallel.dp_overlap_grad_reduce=true", "parallel.dp_overlap_param_gather=true"]),
+    ("+ LAMB, 4x batch", ["optim.name=lamb", "train.global_batch={batch4}"]),
+]
+ABLATION_LAYOUT = ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
 
 
 def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> list[str]:
@@ -144,6 +156,29 @@ def mesh_groups(mesh, dims: tuple[str, ...]) -> set:
 # ---------------------------------------------------------------------- one rank
 
 
+def ablation_worker(a: argparse.Namespace) -> None:
+    """On every rank: the ablation's rows one after another; rank 0 prints each row's medians."""
+    import torch
+
+    from megascale.config import load_config
+    from megascale.train import Trainer
+
+    torch.set_num_threads(1)
+    rows, extra = [], []
+    for name, more in ABLATION:
+        extra += [o.format(window=a.seq // 4, batch4=4 * a.batch) for o in more]
+        run_dir = tempfile.mkdtemp(prefix="ablation-")
+        args = [o for o in overrides(a, "all", "overlap", run_dir) if not o.startswith("log.peak_flops")]
+        trainer = Trainer(load_config(None, [*args, *ABLATION_LAYOUT, *extra]), quiet=True)
+        stats = [trainer.train_step() for _ in range(a.warmup + a.steps)][a.warmup:]
+        trainer.close()
+        rows.append({"row": name, "step_s": statistics.median(x.step_time for x in stats),
+                     "tokens_per_s": statistics.median(x.tokens_per_s for x in stats),
+                     "mfu": statistics.median(x.mfu for x in stats)})
+    if int(os.environ["RANK"]) == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+
+
 def worker(a: argparse.Namespace) -> None:
     """On every rank (a host of the cluster): the three variants and the replay of one dimension."""
     import torch
@@ -181,7 +216,8 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def run_dim(cluster, a: argparse.Namespace, dim: str, port: int) -> dict:
-    world = DIMS[dim][1]
+    """Every rank of one dimension's runs (dim "ablation": the ablation's rows), rank 0's RESULT."""
+    world = 8 if dim == "ablation" else DIMS[dim][1]
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", dim, *a.forward]
     procs = []
     for r in range(world):
@@ -227,8 +263,13 @@ def main() -> int:
     p.add_argument("--bucket", type=int, default=500_000, help="parallel.dp_bucket_size")
     p.add_argument("--tp-chunks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--worker", choices=list(DIMS), help=argparse.SUPPRESS)
+    p.add_argument("--ablation", action="store_true",
+                   help="also MegaScale's ablation table on dp2 x pp2 x tp2 (8 hosts)")
+    p.add_argument("--worker", choices=[*DIMS, "ablation"], help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.worker == "ablation":
+        ablation_worker(a)
+        return 0
     if a.worker:
         worker(a)
         return 0
@@ -245,13 +286,21 @@ def main() -> int:
         print(f"overlap: skipped, {why}")
         return 0
     ensure_dataset(load_config(None, overrides(a, "dp", "serial", "unused")).data, progress=False)
-    hosts = max(DIMS[d][1] for d in a.dims)
+    hosts = 8 if a.ablation else max(DIMS[d][1] for d in a.dims)
     print(f"GPT {a.layers} layers, d_model {a.d_model}, seq {a.seq}, global batch {a.batch} in micro-batches "
           f"of {a.micro} (dp alone: {a.dp_micro or a.batch // 2}); one rank per host, links {a.mbit:.0f} "
           f"Mbit/s (tc tbf); median of {a.steps} steps after {a.warmup}, slowest rank", flush=True)
     with netns.SimCluster(hosts, mbit=a.mbit) as cluster:
         for i, dim in enumerate(a.dims):
             print(report(dim, run_dim(cluster, a, dim, 29500 + i)), flush=True)
+        if a.ablation:
+            print(f"\nablation, dp2 x pp2 x tp2 (sequence parallel), global batch {a.batch} (the last row "
+                  f"{4 * a.batch}), MFU against the probed matmul peak of one core per rank")
+            print(f"{'':18} {'step s':>7} {'tokens/s':>9} {'vs base':>7} {'MFU':>6}")
+            rows = run_dim(cluster, a, "ablation", 29499)
+            for r in rows:
+                print(f"{r['row']:18} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "
+                      f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:7.2f} {r['mfu']:6.2%}", flush=True)
     return 0
 
 
