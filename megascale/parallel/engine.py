@@ -94,7 +94,9 @@ class ParallelEngine:
         self.schedule = p.resolved_schedule
         self.micro_batch = t.micro_batch
         self.n_micro = num_microbatches(t.global_batch, t.micro_batch, mesh.dp)
-        self.factory = TPLayerFactory(mesh, self.sequence_parallel) if mesh.tp > 1 else None
+        self.factory = (TPLayerFactory(mesh, self.sequence_parallel,
+                                       cfg.parallel.tp_overlap_chunks if cfg.parallel.tp_overlap else 0)
+                        if mesh.tp > 1 else None)
         self.bubble = float("nan")  # this rank's idle fraction in the last step's pipeline
 
         self.single = mesh.world_size == 1
@@ -218,7 +220,8 @@ class ParallelEngine:
             result = pipeline_step(self.model, mbs, mb, self.schedule, self.sequence_parallel,
                                    forward_context=autocast,
                                    dropout=self.dropout.for_step(step) if self.dropout else None,
-                                   backward_context=self._grad_sync if self.distributed else None)
+                                   backward_context=self._grad_sync if self.distributed else None,
+                                   overlap=self.cfg.parallel.pp_overlap)
             self.bubble = result.bubble
             return torch.tensor(result.loss, dtype=torch.float64, device=self.device)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)

@@ -12,6 +12,13 @@ no module-level process groups. The coordinate maths is pure (`coordinates`,
 A dimension of size 1 gets no process group (None): every collective in megascale checks
 the size first and does nothing, because None means the *world* group to torch.distributed.
 A world of one therefore needs no `torch.distributed` at all and costs nothing.
+
+Under NCCL a pipeline has a second group of the pp ranks, `pp_bwd_group`, for the gradients that
+flow backward: one communicator per direction, so that the two streams between a pair of ranks
+neither match each other's messages (NCCL ignores tags) nor queue behind each other's pending
+receives (see pipeline/comm.py). Gloo matches by tag and runs a pair's messages independently,
+so it does without, and its start-up creates exactly the groups `mesh_group_kinds` lists
+(tests/test_group_init.py checks that traffic key for key).
 """
 
 from __future__ import annotations
@@ -86,15 +93,17 @@ class Mesh:
     dp_group: dist.ProcessGroup | None = None
     mp_group: dist.ProcessGroup | None = None
     emb_group: dist.ProcessGroup | None = None  # first + last stage (pp > 1): tied-embedding gradients
+    pp_bwd_group: dist.ProcessGroup | None = None  # the pp ranks again (pp > 1, NCCL): backward p2p
 
     @classmethod
-    def build(cls, cfg: ParallelConfig, group_init: str = "local") -> Mesh:
+    def build(cls, cfg: ParallelConfig, group_init: str = "local", p2p_groups: bool | None = None) -> Mesh:
         """The mesh of this process. Every rank must call it, in the same order as the others.
 
         With cfg.world_size == 1 torch.distributed is not needed; otherwise it must already be
         initialised (by the launcher) with a world of exactly tp * pp * dp processes.
         group_init: how the groups are created, "local" (ours) or "global" (the naive way);
-        see `megascale.distributed.groups`.
+        see `megascale.distributed.groups`. p2p_groups: whether pp > 1 gets `pp_bwd_group`; None
+        (the default): under NCCL only, which needs it (tests ask for it on gloo).
         """
         if cfg.world_size == 1 and not dist.is_initialized():
             return cls(1, 1, 1, 0)
@@ -103,11 +112,14 @@ class Mesh:
         check_world_size(cfg, dist.get_world_size())
         rank = dist.get_rank()
         groups = create_mesh_groups(cfg.dp, cfg.pp, cfg.tp, rank, group_init)
-        return cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in GROUP_KINDS))
+        if p2p_groups is None:
+            p2p_groups = "nccl" in str(dist.get_backend())
+        bwd = create_pp_bwd_group(cfg.dp, cfg.pp, cfg.tp, rank, group_init) if p2p_groups else None
+        return cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in GROUP_KINDS), pp_bwd_group=bwd)
 
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """This rank's groups, in creation order (None where there is none)."""
-        return self.tp_group, self.pp_group, self.dp_group, self.mp_group, self.emb_group
+        return self.tp_group, self.pp_group, self.dp_group, self.mp_group, self.emb_group, self.pp_bwd_group
 
     # ---- coordinates
 
@@ -167,6 +179,18 @@ def create_mesh_groups(dp: int, pp: int, tp: int, rank: int, mode: str = "local"
     layout = mesh_group_kinds(dp, pp, tp)
     mine = create_groups(list(layout.values()), rank, mode)
     return {kind: None for kind in GROUP_KINDS} | dict(zip(layout, mine, strict=True))
+
+
+def create_pp_bwd_group(dp: int, pp: int, tp: int, rank: int, mode: str = "local"
+                        ) -> dist.ProcessGroup | None:
+    """A second group of this rank's pipeline ranks (None when pp = 1), created the `mode` way.
+
+    A call of its own: `create_groups` makes one group per rank list and hands it to every kind
+    that lists those ranks (the tied-embedding group is the pp group at pp = 2), and this one must
+    be another communicator."""
+    if pp == 1:
+        return None
+    return create_groups([group_ranks(dp, pp, tp, "pp")], rank, mode)[0]
 
 
 def mesh_group_kinds(dp: int, pp: int, tp: int) -> dict[str, list[list[int]]]:

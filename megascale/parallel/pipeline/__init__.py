@@ -5,7 +5,15 @@ messages (comm.py) and the one loop that runs any schedule (step.py).
     result = pipeline_step(stage, microbatches, micro_batch, schedule)   # forwards + backwards
 """
 
-from megascale.parallel.pipeline.schedule import SCHEDULES, Op, schedule_ops, simulate, theoretical_bubble
+from megascale.parallel.pipeline.schedule import (
+    SCHEDULES,
+    Op,
+    Prefetch,
+    recv_plan,
+    schedule_ops,
+    simulate,
+    theoretical_bubble,
+)
 from megascale.parallel.pipeline.stage import (
     PipelineStage,
     check_pipeline,
@@ -22,6 +30,7 @@ __all__ = [
     "SCHEDULES",
     "Op",
     "PipelineStage",
+    "Prefetch",
     "StepResult",
     "activation_shape",
     "check_pipeline",
@@ -32,6 +41,7 @@ __all__ = [
     "partition",
     "pipeline_step",
     "rank_chunks",
+    "recv_plan",
     "schedule_ops",
     "simulate",
     "theoretical_bubble",

@@ -16,10 +16,15 @@ it free of deadlock before a single message is sent, and leaves the executor
   non-adjacent chunks (chunk c of rank r is virtual stage c * pp + r), so a micro-batch
   crosses the ranks vpp times and the bubble shrinks to (p - 1) / (v m + p - 1), for vpp
   times more point-to-point messages.
+
+`recv_plan` turns a rank's op list into when each receive is posted (parallel.pp_overlap):
+ahead of the op that takes it, in an order both ends of every channel share.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 from dataclasses import dataclass
 
 SCHEDULES = ("afab", "1f1b", "interleaved")
@@ -112,6 +117,16 @@ def simulate(name: str, pp: int, m: int, vpp: int = 1, f: float = 1.0, b: float 
     messages would be received in another order than they were sent: the executor matches
     messages per (sender, receiver, direction) in order, as NCCL and gloo do.
     """
+    done = timeline(name, pp, m, vpp, f, b)
+    _check_message_order([schedule_ops(name, pp, r, m, vpp) for r in range(pp)], pp, vpp)
+    return 1.0 - m * vpp * (f + b) / max(done.values())
+
+
+def timeline(name: str, pp: int, m: int, vpp: int = 1, f: float = 1.0, b: float = 2.0
+             ) -> dict[tuple[str, int, int], float]:
+    """When each (kind, microbatch, virtual stage) finishes under unit costs, messages free.
+
+    Raises RuntimeError on a deadlock (no rank can run its next op)."""
     ops = [schedule_ops(name, pp, r, m, vpp) for r in range(pp)]
     last = pp * vpp - 1
     done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, virtual stage) -> finish time
@@ -136,26 +151,120 @@ def simulate(name: str, pp: int, m: int, vpp: int = 1, f: float = 1.0, b: float 
         if not progressed:
             stuck = {r: str(ops[r][pos[r]]) for r in range(pp) if pos[r] < len(ops[r])}
             raise RuntimeError(f"{name} pp={pp} m={m} vpp={vpp}: deadlock, waiting ops {stuck}")
-    _check_message_order(ops, pp, vpp)
-    return 1.0 - m * vpp * (f + b) / max(clock)
+    return done
+
+
+def received(op: Op, pp: int, rank: int, vpp: int) -> str | None:
+    """The stream an op of `rank` receives on: "F" (its input, from the previous rank), "B" (its
+    output's gradient, from the next rank), or None (the first / last virtual stage has neither)."""
+    vs, last = op.chunk * pp + rank, pp * vpp - 1
+    if op.kind == "F":
+        return "F" if vs > 0 else None
+    return "B" if vs < last else None
+
+
+def sent(op: Op, pp: int, rank: int, vpp: int) -> str | None:
+    """The stream an op of `rank` sends on: "F" (its output, to the next rank), "B" (its input's
+    gradient, to the previous rank), or None."""
+    vs, last = op.chunk * pp + rank, pp * vpp - 1
+    if op.kind == "F":
+        return "F" if vs < last else None
+    return "B" if vs > 0 else None
+
+
+def peer(stream: str, rank: int, pp: int, sending: bool) -> int:
+    """The pipeline rank a stream's message goes to (sending) or comes from: F flows to rank + 1."""
+    return (rank + (1 if (stream == "F") == sending else -1)) % pp
 
 
 def _check_message_order(ops: list[list[Op]], pp: int, vpp: int) -> None:
     """Every channel (src, dst, kind) carries its messages in the order the receiver consumes them."""
-    last = pp * vpp - 1
-    sent: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
-    received: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
+    sent_on: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
+    received_on: dict[tuple[int, int, str], list[tuple[int, int]]] = {}
+    step = {"F": 1, "B": -1}  # the virtual stage a stream's message is for, from the sender's
     for r, rank_ops in enumerate(ops):
         for op in rank_ops:
             vs = op.chunk * pp + r
-            if op.kind == "F" and vs < last:
-                sent.setdefault((r, (r + 1) % pp, "F"), []).append((op.microbatch, vs + 1))
-            if op.kind == "F" and vs > 0:
-                received.setdefault(((r - 1) % pp, r, "F"), []).append((op.microbatch, vs))
-            if op.kind == "B" and vs > 0:
-                sent.setdefault((r, (r - 1) % pp, "B"), []).append((op.microbatch, vs - 1))
-            if op.kind == "B" and vs < last:
-                received.setdefault(((r + 1) % pp, r, "B"), []).append((op.microbatch, vs))
-    if sent != received:
-        bad = sorted(k for k in sent.keys() | received.keys() if sent.get(k) != received.get(k))
+            if s := sent(op, pp, r, vpp):
+                sent_on.setdefault((r, peer(s, r, pp, True), s), []).append((op.microbatch, vs + step[s]))
+            if s := received(op, pp, r, vpp):
+                received_on.setdefault((peer(s, r, pp, False), r, s), []).append((op.microbatch, vs))
+    if sent_on != received_on:
+        bad = sorted(k for k in sent_on.keys() | received_on.keys() if sent_on.get(k) != received_on.get(k))
         raise RuntimeError(f"messages would be matched out of order on channels {bad}")
+
+
+# ---- when to post each receive (pp_overlap)
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """The receives one op posts, as streams in posting order (the k-th post of a stream is its k-th
+    message): `before` ahead of the op's own wait and compute, `before_send` ahead of its send."""
+
+    before: tuple[str, ...] = ()
+    before_send: tuple[str, ...] = ()
+
+
+@functools.lru_cache(maxsize=64)
+def recv_plan(name: str, pp: int, rank: int, m: int, vpp: int = 1, depth: int = 1) -> tuple[Prefetch, ...]:
+    """Per op of `rank`, the receives to post: each stream keeps `depth` posted beyond the one being
+    consumed (MegaScale's prefetch: the next message's receive goes out as soon as the previous one
+    is taken, so it lands during the compute in between), in an order both ends of every channel share.
+
+    The order matters where a channel carries both directions, pp = 2 interleaved (the previous rank
+    is the next one): NCCL runs a communicator's sends and receives one after another, so a receive
+    posted before a send its peer waits for is a deadlock. Each channel's messages are ordered by
+    when the unit-cost `timeline` sends them (ties: the lower sender first), the same list on both
+    ends, and a rank issues its sends and receives in that order: a receive that would come too early
+    waits for the send before it, a send first posts the receives before it. Everywhere else a
+    channel has one direction and the order is just the receives'.
+    """
+    ops = schedule_ops(name, pp, rank, m, vpp)
+    order = _channel_order(name, pp, rank, m, vpp, ops)
+    posted, taken = dict.fromkeys("FB", 0), dict.fromkeys("FB", 0)
+    total = {s: sum(received(op, pp, rank, vpp) == s for op in ops) for s in "FB"}
+
+    def post(s: str, into: list[str]) -> None:
+        ch = order[(s, peer(s, rank, pp, False))]
+        if not ch or ch[0] != "R":
+            raise RuntimeError(f"{name} pp={pp} rank={rank}: receive {s}{posted[s]} out of channel order")
+        ch.popleft()
+        posted[s] += 1
+        into.append(s)
+
+    plan = []
+    for op in ops:
+        before: list[str] = []
+        if s := received(op, pp, rank, vpp):
+            while posted[s] <= taken[s]:  # not posted ahead (depth 0, or the channel held it back)
+                post(s, before)
+            taken[s] += 1
+        for s in "FB":  # prefetch
+            ch = order.get((s, peer(s, rank, pp, False)))
+            while posted[s] - taken[s] < depth and posted[s] < total[s] and ch[0] == "R":
+                post(s, before)
+        before_send: list[str] = []
+        if s := sent(op, pp, rank, vpp):
+            ch = order[(s, peer(s, rank, pp, True))]
+            while ch[0] == "R":  # receives the peer sends first: posted ahead of this send
+                post(s, before_send)
+            ch.popleft()
+        plan.append(Prefetch(tuple(before), tuple(before_send)))
+    return tuple(plan)
+
+
+def _channel_order(name: str, pp: int, rank: int, m: int, vpp: int, ops: list[Op]
+                   ) -> dict[tuple[str, int], collections.deque[str]]:
+    """This rank's sends ("S") and receives ("R") on each channel (stream, peer), in the channel's order."""
+    done = timeline(name, pp, m, vpp)
+    step = {"F": -1, "B": 1}  # the sender's virtual stage, from the receiver's
+    events: dict[tuple[str, int], list[tuple[float, int, str]]] = collections.defaultdict(list)
+    for op in ops:
+        vs = op.chunk * pp + rank
+        if s := sent(op, pp, rank, vpp):
+            events[(s, peer(s, rank, pp, True))].append((done[(op.kind, op.microbatch, vs)], rank, "S"))
+        if s := received(op, pp, rank, vpp):
+            src = peer(s, rank, pp, False)
+            events[(s, src)].append((done[(op.kind, op.microbatch, vs + step[s])], src, "R"))
+    return {ch: collections.deque(kind for *_, kind in sorted(evs)) for ch, evs in events.items()}

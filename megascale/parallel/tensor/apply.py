@@ -17,6 +17,10 @@ Sequence parallelism (Korthikanti et al. 2022): between blocks each rank holds 1
 sequence, so norms, dropout and the residual stream cost 1/tp of the memory. Column layers
 all-gather the sequence on entry and row layers reduce-scatter it on exit: the same bytes as
 plain TP's all-reduce (all-reduce = reduce-scatter + all-gather), in a different place.
+
+`overlap_chunks` > 0 (parallel.tp_overlap): the column and row layers pipeline those
+collectives with their GEMMs in chunks (overlap.py); the shared regions of the fused
+parallel block keep their one collective each.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from megascale.parallel.tensor.layers import (
     zero_padding,
 )
 from megascale.parallel.tensor.loss import vocab_parallel_cross_entropy
+from megascale.parallel.tensor.overlap import overlap_settings
 
 
 def check_tp(cfg: ModelConfig, mesh: Mesh, sequence_parallel: bool) -> None:
@@ -56,21 +61,27 @@ def check_tp(cfg: ModelConfig, mesh: Mesh, sequence_parallel: bool) -> None:
 
 
 class TPLayerFactory(LayerFactory):
-    """Builds the tensor-parallel layers for one mesh; the model never learns its rank."""
+    """Builds the tensor-parallel layers for one mesh; the model never learns its rank.
 
-    def __init__(self, mesh: Mesh, sequence_parallel: bool = False):
+    overlap_chunks: chunks per overlapped GEMM (0: off). When on, construction creates the
+    overlap's process group, so every rank must build its factory, in the same order.
+    """
+
+    def __init__(self, mesh: Mesh, sequence_parallel: bool = False, overlap_chunks: int = 0):
         self.mesh = mesh
         self.sequence_parallel = sequence_parallel and mesh.tp > 1
+        self.overlap = overlap_settings(mesh, overlap_chunks)
 
     def linear(self, in_features: int, out_features: int, bias: bool, style: str) -> nn.Module:
         if style not in LINEAR_STYLES:
             raise ValueError(f"linear style must be one of {LINEAR_STYLES}, got {style!r}")
         if style == "row":
             mode = "reduce_scatter_seq" if self.sequence_parallel else "reduce"
-            return RowParallelLinear(in_features, out_features, bias, self.mesh, output_mode=mode)
+            return RowParallelLinear(in_features, out_features, bias, self.mesh, output_mode=mode,
+                                     overlap=self.overlap)
         mode = "gather_seq" if self.sequence_parallel else "copy"
         return ColumnParallelLinear(in_features, out_features, bias, self.mesh, input_mode=mode,
-                                    pad=style == "head")
+                                    pad=style == "head", overlap=self.overlap)
 
     def embedding(self, num_embeddings: int, dim: int, style: str = "vocab") -> nn.Module:
         if style not in EMBEDDING_STYLES:
@@ -142,7 +153,8 @@ def parallelize(model: nn.Module, factory: TPLayerFactory, fuse_parallel_block: 
         if fuse_parallel_block and getattr(block, "parallel", False) and hasattr(block, "branch_in"):
             fuse_branches(block, mesh, sp)  # its dropout acts on full-sequence partial sums: replicated
         elif sp:
-            gather_before_attention(block.attn, mesh)
+            if factory.overlap is None:  # with overlap qkv gathers itself, under its own GEMM
+                gather_before_attention(block.attn, mesh)
             mark_dropout_split(block)  # the branch outputs are reduce-scattered: 1/tp of the sequence
     for block in getattr(model, "blocks", ()) if mesh.tp > 1 else ():
         if getattr(block.mlp, "fused_bias_gelu", False):

@@ -16,6 +16,9 @@ whose collectives are done once for several layers (the parallel block):
 
   ColumnParallelLinear.input_mode:   "copy" (all-reduce grads), "gather_seq" (SP), "none"
   RowParallelLinear.output_mode:     "reduce" (all-reduce), "reduce_scatter_seq" (SP), "none"
+
+With an `overlap` setting (parallel.tp_overlap, see overlap.py) a layer whose mode has a
+collective runs it in chunks under its GEMM; mode "none" (a shared region) runs as without.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import Tensor, nn
 
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.tensor import comm
+from megascale.parallel.tensor.overlap import Overlap, column_linear, row_linear
 
 INPUT_MODES = {"copy": comm.copy_to_tp, "gather_seq": comm.gather_seq, "none": lambda x, mesh: x}
 OUTPUT_MODES = {"reduce": comm.reduce_from_tp, "reduce_scatter_seq": comm.reduce_scatter_seq}
@@ -55,11 +59,13 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mesh: Mesh, *,
-                 input_mode: str = "copy", gather_output: bool = False, pad: bool = False):
+                 input_mode: str = "copy", gather_output: bool = False, pad: bool = False,
+                 overlap: Overlap | None = None):
         super().__init__()
         if input_mode not in INPUT_MODES:
             raise ValueError(f"input_mode must be one of {tuple(INPUT_MODES)}, got {input_mode!r}")
         self.mesh, self.input_mode, self.gather_output = mesh, input_mode, gather_output
+        self.overlap = overlap if mesh.tp > 1 else None
         self.in_features, self.out_features = in_features, out_features
         self.out_local = shard_size(out_features, mesh.tp, pad, "column-parallel out_features")
         self.weight = nn.Parameter(torch.empty(self.out_local, in_features))
@@ -81,7 +87,10 @@ class ColumnParallelLinear(nn.Module):
         zero_padding(self.weight, 0, self.out_features, self.mesh)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(INPUT_MODES[self.input_mode](x, self.mesh), self.weight, self.bias)
+        if self.overlap is not None and self.input_mode != "none":
+            y = column_linear(x, self.weight, self.bias, self.input_mode, self.mesh, self.overlap)
+        else:
+            y = F.linear(INPUT_MODES[self.input_mode](x, self.mesh), self.weight, self.bias)
         if self.gather_output:
             y = comm.gather_from_tp(y, self.mesh)
             if y.shape[-1] != self.out_features:
@@ -89,7 +98,9 @@ class ColumnParallelLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"{self.in_features}, {self.out_features} ({self.out_local} per rank), input={self.input_mode}"
+        chunks = f", overlap={self.overlap.chunks}" if self.overlap is not None else ""
+        return (f"{self.in_features}, {self.out_features} ({self.out_local} per rank), "
+                f"input={self.input_mode}{chunks}")
 
 
 class RowParallelLinear(nn.Module):
@@ -101,11 +112,13 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, mesh: Mesh, *,
-                 output_mode: str = "reduce", input_is_parallel: bool = True):
+                 output_mode: str = "reduce", input_is_parallel: bool = True,
+                 overlap: Overlap | None = None):
         super().__init__()
         if output_mode not in (*OUTPUT_MODES, "none"):
             raise ValueError(f"output_mode must be one of {(*OUTPUT_MODES, 'none')}, got {output_mode!r}")
         self.mesh, self.input_is_parallel = mesh, input_is_parallel
+        self.overlap = overlap if mesh.tp > 1 else None
         self.in_features, self.out_features = in_features, out_features
         self.in_local = shard_size(in_features, mesh.tp, False, "row-parallel in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local))
@@ -134,15 +147,19 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.mesh)
-        y = F.linear(x, self.weight)
         if self._output_mode == "none":
+            y = F.linear(x, self.weight)
             return y + self.bias if self.bias is not None and self.mesh.tp_rank == 0 else y
-        y = OUTPUT_MODES[self._output_mode](y, self.mesh)
+        if self.overlap is not None:
+            y = row_linear(x, self.weight, self._output_mode, self.mesh, self.overlap)
+        else:
+            y = OUTPUT_MODES[self._output_mode](F.linear(x, self.weight), self.mesh)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
+        chunks = f", overlap={self.overlap.chunks}" if self.overlap is not None else ""
         return (f"{self.in_features} ({self.in_local} per rank), {self.out_features}, "
-                f"output={self._output_mode}")
+                f"output={self._output_mode}{chunks}")
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,0 +1,243 @@
+"""parallel.tp_overlap equals the plain TP path: the chunked, asynchronous collectives of overlap.py
+change when bytes move, never what is computed.
+
+On 2 gloo ranks in float64: each overlapped layer against the plain one (forward, input and
+parameter gradients), then whole GPTs (gpt and llama style, sequential and parallel block, with
+and without sequence parallelism) built with overlap off and on from the same weights, whose
+loss and every parameter gradient must agree to 1e-12 relative at each of a few AdamW steps, and
+so must the weights after them; one slice apart: the attention's key bias, whose exact gradient
+is zero (softmax ignores a shift of all of a query's scores), so AdamW normalises rounding noise
+into steps of ~1e-13 there, different on each path; it is bounded in absolute terms, as
+test_tp_parity bounds it.
+Chunk counts 2, 3 and 5 are used: at seq 12 (6 tokens per rank under SP) 5 divides neither,
+so the layers fall back to 4 or 3 chunks (`num_chunks`). The one Trainer-level case is the
+"tp2-sp-overlap" layout of test_trainer_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import WorkerPool
+from _parity import SyntheticSamples
+
+from megascale.config import ModelConfig, OptimConfig, ParallelConfig
+from megascale.model import GPT
+from megascale.observe import timers
+from megascale.optim import build_optimizer
+from megascale.parallel.mesh import Mesh
+from megascale.parallel.tensor.apply import TPLayerFactory, parallelize, tp_loss
+from megascale.parallel.tensor.grads import sync_partial_grads
+from megascale.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from megascale.parallel.tensor.overlap import num_chunks, overlap_settings
+from megascale.parallel.tensor.state import load_full_state_dict
+
+F64 = torch.float64
+SEQ, BATCH, VOCAB, STEPS = 12, 2, 97, 3
+TOL = 1e-12
+KEY_BIAS_TOL = 1e-11  # absolute: noise-driven AdamW steps on a parameter of exactly zero gradient
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(2)
+    yield p
+    p.close()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs difference relative to the reference's largest element (0 for equal zero tensors)."""
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
+
+
+def test_chunk_count_falls_back_to_the_largest_divisor():
+    assert [num_chunks(12, c) for c in (1, 2, 3, 4, 5, 7, 12, 13)] == [1, 2, 3, 4, 4, 6, 12, 12]
+    assert [num_chunks(6, c) for c in (2, 4, 5)] == [2, 3, 3]
+    assert num_chunks(7, 3) == 1 and num_chunks(1, 4) == 1 and num_chunks(0, 2) == 1
+
+
+def test_overlap_is_off_without_tp_or_chunks():
+    mesh = Mesh(1, 1, 1, 0)
+    assert overlap_settings(mesh, 2) is None and TPLayerFactory(mesh, overlap_chunks=2).overlap is None
+
+
+# ---------------------------------------------------------------------------------------
+# One layer, overlapped vs plain
+
+
+class _Launches:
+    """A stand-in recorder: counts the async collectives and checks each is waited once."""
+
+    def __init__(self):
+        self.issued, self.waited = [], 0
+
+    def launch(self, op, stream, group, peer, tag, nbytes):
+        self.issued.append((op, stream, group))
+        outer = self
+
+        class Pending:
+            def wait(self, work=None):
+                outer.waited += 1
+                work.wait()
+
+        return Pending()
+
+
+def _layer_pair(rank, kind, sp, chunks, batch, seq):
+    torch.manual_seed(0)
+    mesh = Mesh.build(ParallelConfig(tp=2))
+    ov = overlap_settings(mesh, chunks)
+    if kind == "column":
+        mode = dict(input_mode="gather_seq" if sp else "copy")
+        plain, lap = (ColumnParallelLinear(8, 6, True, mesh, **mode, overlap=o).to(F64) for o in (None, ov))
+    else:
+        mode = dict(output_mode="reduce_scatter_seq" if sp else "reduce")
+        plain, lap = (RowParallelLinear(8, 6, True, mesh, **mode, overlap=o).to(F64) for o in (None, ov))
+    lap.load_state_dict(plain.state_dict())
+    in_seq = seq // 2 if kind == "column" and sp else seq
+    x = torch.randn(batch, in_seq, plain.weight.shape[1], dtype=F64)
+    out = []
+    for layer in (plain, lap):
+        rec = _Launches()
+        timers.install(rec if layer is lap else None)
+        try:
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            (y * torch.arange(y.numel(), dtype=F64).view_as(y).sin()).sum().backward()
+        finally:
+            timers.install(None)
+        out.append((y.detach(), xi.grad, layer.weight.grad, layer.bias.grad))
+    diffs = [rel(a, b) for a, b in zip(out[1], out[0], strict=True)]
+    return diffs, rec.issued, rec.waited
+
+
+CHUNKED = {"column": {True: "reduce_scatter", False: "all_reduce"},  # backward's collective
+           "row": {True: "reduce_scatter", False: "all_reduce"}}  # forward's
+
+
+@pytest.mark.parametrize("batch,seq,chunks", [(2, 12, 2), (2, 12, 3), (1, 12, 5), (3, 4, 4)])
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_overlapped_layer_equals_the_plain_layer(pool, kind, sp, chunks, batch, seq):
+    (diffs, issued, waited), _ = pool.run(_layer_pair, kind, sp, chunks, batch, seq)
+    assert max(diffs) < TOL, diffs
+    tokens = seq // 2 if sp else batch * seq  # what SP chunks (the local sequence) or TP (the tokens)
+    n = num_chunks(tokens, chunks)
+    ops = [op for op, _, _ in issued]
+    assert all(stream == "tp" and group == "tp" for _, stream, group in issued)
+    assert ops.count(CHUNKED[kind][sp]) == n and waited == len(issued)
+    assert ops.count("all_gather") == (n if sp else 0)  # column fwd / row bwd under SP
+
+
+# ---------------------------------------------------------------------------------------
+# Whole models: loss and every gradient, step by step
+
+
+def _model_config(style: str, block: str, recompute: bool = False) -> ModelConfig:
+    llama = style == "llama"
+    return ModelConfig(vocab_size=VOCAB, seq_len=SEQ, n_layers=2, d_model=32, n_heads=4, style=style,
+                       block=block, bias=not llama, tie_embeddings=not llama, recompute=recompute)
+
+
+def _build(mcfg, mesh, sp, fuse, chunks, init):
+    factory = TPLayerFactory(mesh, sequence_parallel=sp, overlap_chunks=chunks)
+    model = parallelize(GPT(mcfg, factory), factory, fuse_parallel_block=fuse).to(F64)
+    load_full_state_dict(model, init, mesh)
+    ocfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    return model, factory, build_optimizer(model, ocfg)
+
+
+def _model_parity(rank, style, block, sp, fuse, recompute, chunks):
+    mcfg = _model_config(style, block, recompute)
+    torch.manual_seed(1234)
+    init = GPT(mcfg).to(F64).state_dict()
+    mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=sp))
+    runs = [_build(mcfg, mesh, sp, fuse, c, init) for c in (0, chunks)]
+    samples = SyntheticSamples(16, SEQ, VOCAB)
+    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    for step in range(STEPS):
+        tokens = samples.batch(range(step * BATCH, (step + 1) * BATCH))
+        grads, losses = [], []
+        for model, factory, optimizer in runs:
+            optimizer.zero_grad(set_to_none=True)
+            loss = tp_loss(model, factory, tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            sync_partial_grads(model, mesh)
+            losses.append(loss.detach())
+            grads.append({n: p.grad for n, p in model.named_parameters()})
+            optimizer.step()
+        worst["loss"] = max(worst["loss"], rel(losses[1], losses[0]))
+        assert grads[0].keys() == grads[1].keys()
+        worst["grad"] = max(worst["grad"], *(rel(grads[1][n], g) for n, g in grads[0].items()))
+    off, on = ({k: v for n, p in model.named_parameters() for k, v in _split_key_bias(n, p, mcfg).items()}
+               for model, _, _ in runs)
+    worst["weight"] = max(rel(on[n], p) for n, p in off.items() if not n.endswith("#key"))
+    key_bias = max(((on[n] - p).abs().max().item() for n, p in off.items() if n.endswith("#key")),
+                   default=0.0)
+    overlapped = sum(getattr(m, "overlap", None) is not None and getattr(m, mode, "none") != "none"
+                     for m in runs[1][0].modules() for mode in ("input_mode", "_output_mode"))
+    return worst, key_bias, overlapped
+
+
+def _split_key_bias(name: str, p: torch.Tensor, mcfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """This rank's qkv bias, (heads, [q, k, v], head_dim), as its q/v part and its key part."""
+    p = p.detach()
+    if not name.endswith("attn.qkv.bias"):
+        return {name: p}
+    qkv = p.view(-1, 3, mcfg.head_dim)
+    return {name: qkv[:, ::2], name + "#key": qkv[:, 1]}
+
+
+MODELS = {
+    # name: (style, block, sequence_parallel, fuse the parallel block's collectives, recompute)
+    "gpt-sp": ("gpt", "sequential", True, False, False),
+    "gpt-tp": ("gpt", "sequential", False, False, False),
+    "llama-sp": ("llama", "sequential", True, False, False),
+    "llama-tp": ("llama", "sequential", False, False, False),
+    "gpt-parallel-sp-fused": ("gpt", "parallel", True, True, False),  # the engine's parallel block
+    "llama-parallel-tp-fused": ("llama", "parallel", False, True, False),
+    "gpt-parallel-sp-unfused": ("gpt", "parallel", True, False, False),
+    "llama-sp-recompute": ("llama", "sequential", True, False, True),  # backward replays the chunks
+}
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 5])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_overlap_matches_plain_tp_loss_grads_and_steps(pool, name, chunks):
+    style, block, sp, fuse, recompute = MODELS[name]
+    (worst, key_bias, overlapped), (worst1, key_bias1, _) = pool.run(_model_parity, style, block, sp, fuse,
+                                                                     recompute, chunks)
+    print(f"\n{name} chunks={chunks}: {worst}, key bias {key_bias:.1e} abs ({overlapped} overlapped layers)")
+    for w, kb in ((worst, key_bias), (worst1, key_bias1)):
+        assert max(w.values()) < TOL and kb < KEY_BIAS_TOL, (w, kb)
+    layers = _model_config(style, block).n_layers
+    # every block's 4 linears and the head; the fused parallel block keeps its shared collectives
+    assert overlapped == (1 if fuse else 4 * layers + 1)
+
+
+# ---------------------------------------------------------------------------------------
+# torch.compile: the overlapped layers run eagerly inside a compiled module
+
+
+def _compiled(rank):
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=True))
+    ov = overlap_settings(mesh, 2)
+    col = ColumnParallelLinear(8, 16, True, mesh, input_mode="gather_seq", overlap=ov).to(F64)
+    row = RowParallelLinear(16, 8, True, mesh, output_mode="reduce_scatter_seq", overlap=ov).to(F64)
+    pair = torch.nn.Sequential(col, torch.nn.GELU(), row)
+    x = torch.randn(2, 4, 8, dtype=F64)
+    out = []
+    for fn in (pair, torch.compile(pair, backend="aot_eager")):
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        y.square().sum().backward()
+        out.append((y.detach(), xi.grad, col.weight.grad.clone(), row.weight.grad.clone()))
+        pair.zero_grad(set_to_none=True)
+    return max(rel(a, b) for a, b in zip(out[1], out[0], strict=True))
+
+
+def test_overlap_under_torch_compile(pool):
+    assert max(pool.run(_compiled)) < TOL
