@@ -47,13 +47,19 @@ def train(rank: int, dp: int, pp: int, vpp: int, overlap: bool, model: dict):
     buffers = engine.optimizer.buffers
     samples = SyntheticSamples(64, SEQ, VOCAB)
     loader = BatchLoader(samples, global_batch=8, seed=1, prefetch=0)
-    losses, in_flight, launched_early, deferred_last = [], [], [], []
+    losses, in_flight, launched_early, deferred_last, before_first_block = [], [], [], [], []
+    # when the backward reaches this rank's first block, the later layers' buckets must be on the wire
+    first_block = next(iter(engine.model.blocks.children()))
+    seen: list[int] = []
+    first_block.register_full_backward_pre_hook(lambda *_: seen.append(buffers._next))
     for step in range(STEPS):
+        seen.clear()
         in_flight.append(len(buffers._gathering))  # gathers the last step left running
         rows = samples.batch(loader.global_indices(step)[loader.local_slice(mesh.dp_rank, dp)])
         loss = engine.forward_backward(rows[:, :-1], rows[:, 1:], contextlib.nullcontext, step)
         assert not buffers._gathering  # the forward's hooks waited for every bucket
         launched_early.append(buffers._next)  # buckets the backward's hooks reduce-scattered
+        before_first_block.append(seen[-1])  # (the last micro-batch's backward: the one that syncs)
         last = buffers.buckets[-1]
         deferred_last.append(last.work is None)
         engine.clip_grads(cfg.optim.grad_clip)
@@ -63,7 +69,8 @@ def train(rank: int, dp: int, pp: int, vpp: int, overlap: bool, model: dict):
     engine.optimizer.wait_params()
     weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
     tied = pp > 1 and engine.model.tied
-    return losses, weights, in_flight, launched_early, deferred_last, len(buffers.buckets), tied
+    return losses, weights, in_flight, launched_early, deferred_last, len(buffers.buckets), tied, \
+        before_first_block
 
 
 CASES = {
@@ -83,14 +90,17 @@ def test_overlap_moves_collectives_not_results(pools, name):
     off = pool.run(train, dp, pp, vpp, False, model)
     on = pool.run(train, dp, pp, vpp, True, model)
     for rank in range(world):
-        losses_off, weights_off, flight_off, early_off, _, n_buckets, _ = off[rank]
-        losses_on, weights_on, flight_on, early_on, deferred_last, _, tied = on[rank]
+        losses_off, weights_off, flight_off, early_off, _, n_buckets, _, _ = off[rank]
+        losses_on, weights_on, flight_on, early_on, deferred_last, _, tied, before_first = on[rank]
         assert losses_on == losses_off
         assert all(torch.equal(weights_on[k], v) for k, v in weights_off.items())
         assert flight_off == [0] * STEPS and early_off == [0] * STEPS  # off: nothing runs behind
         # on: after step 1, every bucket's gather was still in flight when the step returned
         assert flight_on == [0] + [n_buckets] * (STEPS - 1)
         assert all(e >= 1 for e in early_on), early_on  # backward launched reduce-scatters itself
+        # ... while it still had layers to go (in the optimizer's group order, weights then biases,
+        # bucket 0 held the first layer's biases and nothing went before backward ended)
+        assert all(b >= 1 for b in before_first), before_first
         if tied:  # the tied copy's own bucket waits for the cross-stage sum, after backward
             assert all(deferred_last), deferred_last
             assert all(e < n_buckets for e in early_on)

@@ -468,8 +468,12 @@ class SimCluster:
 
     def shape(self, h: int, mbit: float, burst_kb: float | None = None) -> None:
         """Limit host h's link to `mbit` Mbit/s each way: tbf on its veth (out) and the switch port (in)."""
-        if burst_kb is None:  # 1 ms at the rate, at least 32 KiB: a few full-size GSO packets
-            burst_kb = max(32.0, mbit * 1e6 / 8 / 1000 / 1024)
+        # 1 ms at the rate, at least 128 KiB: a whole 64 KiB GSO packet must fit in the bucket, or tbf
+        # segments every GSO packet into MTU-size ones in software. With 32 KiB that cost a 12 MB
+        # all-reduce at 500 Mbit/s 140 ms of system CPU per rank (a core's half, taken from the
+        # computation an overlap runs beside it); with 128 KiB, 5 ms.
+        if burst_kb is None:
+            burst_kb = max(128.0, mbit * 1e6 / 8 / 1000 / 1024)
         args = ["root", "tbf", "rate", f"{mbit:g}mbit", "burst", f"{burst_kb:g}kb",
                 "latency", f"{_TBF_LATENCY_MS}ms"]
         _tc(self.ns(h), "qdisc", "replace", "dev", IFNAME, *args)

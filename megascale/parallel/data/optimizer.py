@@ -67,7 +67,12 @@ class DistributedOptimizer:
                                 "(train in bf16 with autocast, which keeps fp32 weights)")
         self.mesh, self.cfg = mesh, cfg
         self._norm_exclude = {id(p) for p in norm_exclude}
-        self.buffers = DPBuffers(self.params, mesh, bucket_size, overlap_grad_reduce, list(deferred))
+        # The buffers take the model's order, not the groups' (weights, then biases and norms): backward
+        # completes gradients layer by layer from the end, so in model order a bucket is complete as
+        # soon as its layers are done; in group order bucket 0 held layer 0's biases and nothing
+        # could be reduce-scattered before backward ended.
+        in_model_order = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = DPBuffers(in_model_order, mesh, bucket_size, overlap_grad_reduce, list(deferred))
         self.overlap_param_gather = overlap_param_gather
         self._prefetch_hooks = _wait_before_use(model, self.buffers) if overlap_param_gather else []
         by_id = self.buffers.pieces()
