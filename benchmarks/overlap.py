@@ -15,7 +15,8 @@ Domino's method (Wang et al. 2024):
 
 and, from the always-on timers (observe/breakdown.py), the communication each dimension left
 exposed per step, and the compute time (for tp: what splitting the GEMMs into chunks costs).
-Times are medians over steps of the slowest rank's step, all measured in one run. Goals of
+Step times are medians of Trainer.train_step's time over the steps of alternating rounds of the
+variants, exposed communication the slowest rank's per step, all measured in one run. Goals of
 issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
 slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
@@ -147,10 +148,15 @@ OWNER = {"dp": "dp", "tp": "tp", "pp": "pp", "emb": "pp"}  # a mesh group's pref
 # (mp_group, the tp x pp grad-norm sum, is one scalar a step: left real)
 
 
-def mesh_groups(mesh, dims: tuple[str, ...]) -> set:
-    """The process groups of the mesh that belong to the given dimensions (by attribute name)."""
-    return {value for name, value in vars(mesh).items()
-            if name.endswith("group") and value is not None and OWNER.get(name.split("_")[0]) in dims}
+def dim_groups(engine, dims: tuple[str, ...]) -> set:
+    """The process groups of the given dimensions: the mesh's (by attribute name), and under tp the
+    TP overlap's own group."""
+    groups = {value for name, value in vars(engine.mesh).items()
+              if name.endswith("group") and value is not None and OWNER.get(name.split("_")[0]) in dims}
+    overlap = getattr(engine.factory, "overlap", None)
+    if "tp" in dims and overlap is not None:
+        groups.add(overlap.group)
+    return groups
 
 
 # ---------------------------------------------------------------------- one rank
@@ -161,13 +167,14 @@ def ablation_worker(a: argparse.Namespace) -> None:
     import torch
 
     from megascale.config import load_config
+    from megascale.distributed.init import shutdown_distributed
     from megascale.train import Trainer
 
     torch.set_num_threads(1)
     rows, extra = [], []
     for name, more in ABLATION:
         extra += [o.format(window=a.seq // 4, batch4=4 * a.batch) for o in more]
-        run_dir = tempfile.mkdtemp(prefix="ablation-")
+        run_dir = str(Path(a.base) / f"ablation-{len(rows)}")
         args = [o for o in overrides(a, "all", "overlap", run_dir) if not o.startswith("log.peak_flops")]
         trainer = Trainer(load_config(None, [*args, *ABLATION_LAYOUT, *extra]), quiet=True)
         stats = [trainer.train_step() for _ in range(a.warmup + a.steps)][a.warmup:]
@@ -177,6 +184,7 @@ def ablation_worker(a: argparse.Namespace) -> None:
                      "mfu": statistics.median(x.mfu for x in stats)})
     if int(os.environ["RANK"]) == 0:
         print("RESULT " + json.dumps(rows), flush=True)
+    shutdown_distributed()
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -184,32 +192,41 @@ def worker(a: argparse.Namespace) -> None:
     import torch
 
     from megascale.config import load_config
+    from megascale.distributed.init import shutdown_distributed
     from megascale.observe.breakdown import step_breakdown
     from megascale.observe.trace import read_run
     from megascale.train import Trainer
 
     torch.set_num_threads(1)
-    dim, rank, out = a.worker, int(os.environ["RANK"]), {}
-    wrapper = None
-    for variant in VARIANTS:
-        run_dir = tempfile.mkdtemp(prefix=f"overlap-{dim}-{variant}-")
-        trainer = Trainer(load_config(None, overrides(a, dim, variant, run_dir)), quiet=True)
-        if wrapper is None:
-            wrapper = Collectives(set())
-        wrapper.groups = mesh_groups(trainer.mesh, DIMS[dim][3])
-        for step in range(a.warmup + a.steps):
-            wrapper.mode = "nocomm" if variant == "nocomm" and step >= a.warmup else "pass"
-            if variant == "overlap" and step == a.warmup:
-                wrapper.mode, wrapper.calls = "record", []
-            trainer.train_step()
-        wrapper.mode = "pass"
-        trainer.close()
-        breakdown = step_breakdown(read_run(run_dir))
-        rows = [breakdown["max"][s] for s in breakdown["steps"][a.warmup:]]
-        out[variant] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    dim, rank = a.worker, int(os.environ["RANK"])
+    wrapper, rows, times = Collectives(set()), {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
+    # The variants alternate, round after round, so the machine's drift (2 shared cores) falls on all
+    # of them alike; each variant's figure is the median over the steps of all its rounds.
+    for rnd in range(a.rounds):
+        for variant in VARIANTS:
+            run_dir = str(Path(a.base) / f"{dim}-{variant}-{rnd}")  # shared by the ranks: all are read
+            trainer = Trainer(load_config(None, overrides(a, dim, variant, run_dir)), quiet=True)
+            wrapper.groups = dim_groups(trainer.engine, DIMS[dim][3])
+            for step in range(a.warmup + a.steps):
+                wrapper.mode = "nocomm" if variant == "nocomm" and step >= a.warmup else "pass"
+                if variant == "overlap" and rnd == 0 and step == a.warmup:
+                    wrapper.mode, wrapper.calls = "record", []
+                stats = trainer.train_step()
+                if step >= a.warmup:
+                    times[variant].append(stats.step_time)
+            wrapper.mode = "pass"
+            trainer.close()
+            breakdown = step_breakdown(read_run(run_dir))
+            rows[variant] += [breakdown["max"][s] for s in breakdown["steps"][a.warmup:]]
+    out = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in rows.items()}
+    for v in VARIANTS:
+        # The step is Trainer.train_step's time (it ends in an all-reduce: the same on every rank). Not
+        # the trace's "wall": a gather launched by one step and waited for in the next spans both.
+        out[v]["step"] = statistics.median(times[v])
     out["comm"] = statistics.median(wrapper.replay() for _ in range(3))
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
+    shutdown_distributed()  # gloo's threads joined before exit, as `megascale train` does
 
 
 # ---------------------------------------------------------------------- the cluster
@@ -235,7 +252,7 @@ def run_dim(cluster, a: argparse.Namespace, dim: str, port: int) -> dict:
 
 
 def report(dim: str, r: dict) -> str:
-    serial, over, nocomm = (r[v]["wall"] for v in VARIANTS)
+    serial, over, nocomm = (r[v]["step"] for v in VARIANTS)
     exposed = serial - nocomm
     hidden = (serial - over) / exposed if exposed > 0 else float("nan")
     streams = ("dp", "pp", "tp") if dim == "all" else (dim,)
@@ -252,7 +269,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", nargs="+", default=list(DIMS), choices=list(DIMS))
     p.add_argument("--mbit", type=float, default=1000.0, help="each host's link, tc tbf")
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=4, help="measured steps per variant and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the variants, alternating")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -263,9 +281,12 @@ def main() -> int:
     p.add_argument("--bucket", type=int, default=500_000, help="parallel.dp_bucket_size")
     p.add_argument("--tp-chunks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--keep", help="write the runs' directories (traces, metrics) here and keep them")
+    p.add_argument("--raw", action="store_true", help="also print each variant's breakdown (seconds)")
     p.add_argument("--ablation", action="store_true",
                    help="also MegaScale's ablation table on dp2 x pp2 x tp2 (8 hosts)")
     p.add_argument("--worker", choices=[*DIMS, "ablation"], help=argparse.SUPPRESS)
+    p.add_argument("--base", help=argparse.SUPPRESS)  # the workers' run directories go under it
     a = p.parse_args()
     if a.worker == "ablation":
         ablation_worker(a)
@@ -274,8 +295,8 @@ def main() -> int:
         worker(a)
         return 0
     a.forward = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
-                 ("steps", "warmup", "layers", "d_model", "seq", "batch", "micro", "dp_micro", "bucket",
-                  "tp_chunks")]
+                 ("steps", "rounds", "warmup", "layers", "d_model", "seq", "batch", "micro", "dp_micro",
+                  "bucket", "tp_chunks")]
 
     from megascale.config import load_config
     from megascale.data import ensure_dataset
@@ -289,10 +310,16 @@ def main() -> int:
     hosts = 8 if a.ablation else max(DIMS[d][1] for d in a.dims)
     print(f"GPT {a.layers} layers, d_model {a.d_model}, seq {a.seq}, global batch {a.batch} in micro-batches "
           f"of {a.micro} (dp alone: {a.dp_micro or a.batch // 2}); one rank per host, links {a.mbit:.0f} "
-          f"Mbit/s (tc tbf); median of {a.steps} steps after {a.warmup}, slowest rank", flush=True)
-    with netns.SimCluster(hosts, mbit=a.mbit) as cluster:
+          f"Mbit/s (tc tbf); {a.rounds} alternating rounds of {a.steps} steps after {a.warmup}, medians",
+          flush=True)
+    with netns.SimCluster(hosts, mbit=a.mbit) as cluster, tempfile.TemporaryDirectory() as tmp:
+        base = a.keep or tmp  # --keep: the runs' directories (traces, metrics) stay for a look
+        a.forward.append(f"--base={base}")
         for i, dim in enumerate(a.dims):
-            print(report(dim, run_dim(cluster, a, dim, 29500 + i)), flush=True)
+            result = run_dim(cluster, a, dim, 29500 + i)
+            print(report(dim, result), flush=True)
+            if a.raw:
+                print(json.dumps(result, indent=1))
         if a.ablation:
             print(f"\nablation, dp2 x pp2 x tp2 (sequence parallel), global batch {a.batch} (the last row "
                   f"{4 * a.batch}), MFU against the probed matmul peak of one core per rank")
