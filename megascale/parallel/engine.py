@@ -283,6 +283,8 @@ class ParallelEngine:
             return loss.item(), stop_signal
         with timers.comm("all_reduce", "dp", "world"):
             dist.all_reduce(buf)
+        if self.distributed:  # now the next step's parameters (dp_overlap_param_gather), behind it
+            self.optimizer.start_param_gather()
         mean, stopped, sigs = buf.tolist()
         if stopped == 0:
             return mean, None

@@ -74,7 +74,10 @@ class DistributedOptimizer:
         in_model_order = [p for p in model.parameters() if p.requires_grad]
         self.buffers = DPBuffers(in_model_order, mesh, bucket_size, overlap_grad_reduce, list(deferred))
         self.overlap_param_gather = overlap_param_gather
-        self._prefetch_hooks = _wait_before_use(model, self.buffers) if overlap_param_gather else []
+        self._gather_due = False  # the step updated the shards; their all-gather is not launched yet
+        self._prefetch_hooks = []
+        if overlap_param_gather:
+            self._prefetch_hooks = _wait_before_use(model, self.buffers, self.wait_params)
         by_id = self.buffers.pieces()
         self.pieces: list[Piece] = [by_id[id(p)] for p in self.params]  # single-optimizer order
         self.views = [self._view(pc) for pc in self.pieces]
@@ -178,14 +181,25 @@ class DistributedOptimizer:
         self.wait_params()  # a bucket no forward used: its gather must end before its shard changes
         with timers.span("optimizer"):
             self.optimizer.step()
-        if self.overlap_param_gather:
-            self.buffers.start_param_gather()  # waited for module by module in the next forward
+        if self.overlap_param_gather:  # launched by start_param_gather, waited for in the next forward
+            self._gather_due = True
         else:
             self.buffers.gather_params()
 
-    def wait_params(self) -> None:
-        """Block until every parameter holds its gathered value (a no-op unless gathers are in flight)."""
-        self.buffers.wait_param_gather()
+    def start_param_gather(self) -> None:
+        """Launch the all-gathers of the last step's update (overlap_param_gather; else a no-op).
+
+        Separate from step() so the trainer can first finish the step's own small collective (its
+        loss all-reduce), which would otherwise queue on the wire behind megabytes of parameters.
+        """
+        if self._gather_due:
+            self._gather_due = False
+            self.buffers.start_param_gather()
+
+    def wait_params(self, buckets: set[int] | None = None) -> None:
+        """Block until the parameters (of the given buckets; None: all) hold their gathered values."""
+        self.start_param_gather()
+        self.buffers.wait_param_gather(buckets)
 
     # ---- state
 
@@ -235,7 +249,7 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
 
 
-def _wait_before_use(model: nn.Module, buffers: DPBuffers) -> list:
+def _wait_before_use(model: nn.Module, buffers: DPBuffers, wait) -> list:
     """Forward pre-hooks that wait for the all-gathers of the buckets a module is about to read.
 
     Megatron-Core's overlap_param_gather hooks: the forward meets the modules in order, so each
@@ -256,8 +270,7 @@ def _wait_before_use(model: nn.Module, buffers: DPBuffers) -> list:
         if name == "norm":
             owned |= buckets(getattr(model, "head", None))
         if owned and module is not model:
-            hooks.append(module.register_forward_pre_hook(
-                lambda _m, _args, owned=owned: buffers.wait_param_gather(owned)))
+            hooks.append(module.register_forward_pre_hook(lambda _m, _args, owned=owned: wait(owned)))
     return hooks
 
 
