@@ -20,7 +20,7 @@ variants, exposed communication the slowest rank's per step, all measured in one
 issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
 slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
-    sudo .venv/bin/python benchmarks/overlap.py [--dims dp pp tp all] [--mbit 1000] [--steps 6]
+    sudo .venv/bin/python benchmarks/overlap.py [--dims dp pp tp all] [--mbit 1000] [--rounds 3] [--ablation]
 
 Needs root (namespaces, tc); where they cannot be made it says why and exits 0.
 """
@@ -275,7 +275,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=32)
     p.add_argument("--micro", type=int, default=2, help="micro-batch of the pp, tp and all runs")
     p.add_argument("--dp-micro", type=int, default=0, help="micro-batch of the dp run (0: batch / dp)")
     p.add_argument("--bucket", type=int, default=500_000, help="parallel.dp_bucket_size")
