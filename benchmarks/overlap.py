@@ -159,7 +159,76 @@ def dim_groups(engine, dims: tuple[str, ...]) -> set:
     return groups
 
 
+def steady_p2p_wait(ranks: dict, steps: list[int]) -> float:
+    """The fraction of a step the busiest pipeline rank spent waiting in receives in the steady phase
+    (after its first backward began, before its last forward ended): the exposed p2p the overlap is
+    for, without the warm-up and cool-down bubble no p2p scheme removes, and without a lighter
+    stage's wait for a heavier one (imbalance, not communication). Median over the steps."""
+    per_rank = {}
+    for r, trace in ranks.items():
+        fractions, busy = [], 0
+        for step in steps:
+            ev = [e for e in trace.events if e.step == step]
+            fwd = [e for e in ev if e.op == "forward"]
+            bwd = [e for e in ev if e.op == "backward"]
+            if not fwd or not bwd:
+                continue
+            lo, hi = min(e.t0 for e in bwd), max(e.t1 for e in fwd)
+            wait = sum(e.blocked for e in ev if e.op == "recv" and lo <= e.t0 and e.t1 <= hi)
+            fractions.append(wait / (max(e.t1 for e in ev) - min(e.t0 for e in ev)))
+            busy += sum(e.dur - e.blocked for e in fwd + bwd)
+        if fractions:
+            per_rank[r] = (busy, statistics.median(fractions))
+    return max(per_rank.values())[1] if per_rank else float("nan")
+
+
 # ---------------------------------------------------------------------- one rank
+
+
+def ablation_rows(a: argparse.Namespace, base: str) -> list[tuple[str, list[str]]]:
+    """(row, the Trainer's overrides) of each ablation row: every row adds its switch to the last."""
+    rows, extra = [], []
+    for name, more in ABLATION:
+        extra += [o.format(window=a.seq // 4, batch4=4 * a.batch) for o in more]
+        args = [o for o in overrides(a, "all", "overlap", f"{base}/ablation-{len(rows)}")
+                if not o.startswith("log.peak_flops")]
+        rows.append((name, [*args, *ABLATION_LAYOUT, *extra]))
+    return rows
+
+
+def predicted_steps(a: argparse.Namespace, world: int) -> list[float]:
+    """The planner's step time for each ablation row, on this machine's calibrated CPU preset made into
+    the simulated cluster: every link the tbf rate, and the ranks sharing this machine's cores."""
+    import dataclasses
+
+    import torch
+
+    from megascale.config import load_config
+    from megascale.data.tokenizer import build_tokenizer
+    from megascale.perf.calibrate import calibrate
+    from megascale.perf.presets import Link, load_preset
+    from megascale.perf.step import Layout, Settings, predict
+
+    cpu = load_preset("cpu")
+    if not cpu.calibrated and not a.no_calibrate:  # on one thread, as each rank runs
+        torch.set_num_threads(1)
+        calibrate(load_preset("cpu", use_calibration=False))
+        cpu = load_preset("cpu")
+    link = Link(bandwidth=a.mbit * 1e6 / 8, efficiency=0.95, latency_s=150e-6)  # tbf rate; veth + bridge
+    # shared_compute gives each rank 1/devices_per_node of one calibrated core: the ranks per core here
+    per_core = max(1, -(-world // (os.cpu_count() or 1)))
+    sim = dataclasses.replace(cpu, name="cpu-simcluster", devices_per_node=per_core, intra=link, inter=link)
+    out = []
+    for _, args in ablation_rows(a, "unused"):
+        cfg = load_config(None, args)
+        m, p = cfg.model, cfg.parallel
+        m.vocab_size = m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
+        settings = Settings("row", parallel_block=m.block == "parallel", tp_overlap=p.tp_overlap,
+                            pp_overlap=p.pp_overlap, dp_overlap=p.dp_overlap_grad_reduce)
+        lay = Layout(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, micro_batch=cfg.train.micro_batch,
+                     sequence_parallel=p.sequence_parallel)
+        out.append(predict(m, lay, sim, settings, cfg.train.global_batch, policy="fp32").step_time)
+    return out
 
 
 def ablation_worker(a: argparse.Namespace) -> None:
@@ -171,12 +240,9 @@ def ablation_worker(a: argparse.Namespace) -> None:
     from megascale.train import Trainer
 
     torch.set_num_threads(1)
-    rows, extra = [], []
-    for name, more in ABLATION:
-        extra += [o.format(window=a.seq // 4, batch4=4 * a.batch) for o in more]
-        run_dir = str(Path(a.base) / f"ablation-{len(rows)}")
-        args = [o for o in overrides(a, "all", "overlap", run_dir) if not o.startswith("log.peak_flops")]
-        trainer = Trainer(load_config(None, [*args, *ABLATION_LAYOUT, *extra]), quiet=True)
+    rows = []
+    for name, args in ablation_rows(a, a.base):
+        trainer = Trainer(load_config(None, args), quiet=True)
         stats = [trainer.train_step() for _ in range(a.warmup + a.steps)][a.warmup:]
         trainer.close()
         rows.append({"row": name, "step_s": statistics.median(x.step_time for x in stats),
@@ -200,6 +266,7 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dim, rank = a.worker, int(os.environ["RANK"])
     wrapper, rows, times = Collectives(set()), {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
+    steady = {v: [] for v in VARIANTS}
     # The variants alternate, round after round, so the machine's drift (2 shared cores) falls on all
     # of them alike; each variant's figure is the median over the steps of all its rounds.
     for rnd in range(a.rounds):
@@ -216,13 +283,16 @@ def worker(a: argparse.Namespace) -> None:
                     times[variant].append(stats.step_time)
             wrapper.mode = "pass"
             trainer.close()
-            breakdown = step_breakdown(read_run(run_dir))
+            traces = read_run(run_dir)
+            breakdown = step_breakdown(traces)
             rows[variant] += [breakdown["max"][s] for s in breakdown["steps"][a.warmup:]]
+            steady[variant].append(steady_p2p_wait(traces, breakdown["steps"][a.warmup:]))
     out = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in rows.items()}
     for v in VARIANTS:
         # The step is Trainer.train_step's time (it ends in an all-reduce: the same on every rank). Not
         # the trace's "wall": a gather launched by one step and waited for in the next spans both.
         out[v]["step"] = statistics.median(times[v])
+        out[v]["steady_p2p"] = statistics.median(steady[v])
     out["comm"] = statistics.median(wrapper.replay() for _ in range(3))
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
@@ -258,7 +328,10 @@ def report(dim: str, r: dict) -> str:
     streams = ("dp", "pp", "tp") if dim == "all" else (dim,)
     exp = " ".join(f"{s} {r['serial'][f'exposed_{s}'] * 1e3:.0f}->{r['overlap'][f'exposed_{s}'] * 1e3:.0f} ms"
                    for s in streams)
-    bubble = f", pp wait {r['overlap']['bubble'] / over:.1%} of the step" if dim in ("pp", "all") else ""
+    bubble = ""
+    if dim in ("pp", "all"):
+        bubble = (f", pp wait {r['overlap']['bubble'] / over:.1%} of the step, in the steady phase "
+                  f"{r['serial']['steady_p2p']:.1%}->{r['overlap']['steady_p2p']:.1%}")
     compute = r["overlap"]["compute"] / r["serial"]["compute"] if r["serial"]["compute"] else float("nan")
     return (f"{dim:>4}  T_serial {serial:6.3f}  T_overlap {over:6.3f}  T_nocomm {nocomm:6.3f}  "
             f"T_comm {r['comm']:6.3f} s   H {hidden:6.1%}   T_overlap/T_nocomm {over / nocomm:5.2f}   "
@@ -285,6 +358,8 @@ def main() -> int:
     p.add_argument("--raw", action="store_true", help="also print each variant's breakdown (seconds)")
     p.add_argument("--ablation", action="store_true",
                    help="also MegaScale's ablation table on dp2 x pp2 x tp2 (8 hosts)")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="the planner column with the CPU preset as stored (placeholders if never calibrated)")
     p.add_argument("--worker", choices=[*DIMS, "ablation"], help=argparse.SUPPRESS)
     p.add_argument("--base", help=argparse.SUPPRESS)  # the workers' run directories go under it
     a = p.parse_args()
@@ -323,11 +398,15 @@ def main() -> int:
         if a.ablation:
             print(f"\nablation, dp2 x pp2 x tp2 (sequence parallel), global batch {a.batch} (the last row "
                   f"{4 * a.batch}), MFU against the probed matmul peak of one core per rank")
-            print(f"{'':18} {'step s':>7} {'tokens/s':>9} {'vs base':>7} {'MFU':>6}")
             rows = run_dim(cluster, a, "ablation", 29499)
-            for r in rows:
+            # the planner: the CPU preset as calibrated here (`megascale plan --calibrate --cluster cpu`)
+            predicted = predicted_steps(a, 8)
+            print(f"{'':18} {'step s':>7} {'tokens/s':>9} {'vs base':>7} {'MFU':>6} {'planner s':>9} "
+                  f"{'error':>7}")
+            for r, want in zip(rows, predicted, strict=True):
                 print(f"{r['row']:18} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "
-                      f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:7.2f} {r['mfu']:6.2%}", flush=True)
+                      f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:7.2f} {r['mfu']:6.2%} {want:9.3f} "
+                      f"{want / r['step_s'] - 1:+7.1%}", flush=True)
     return 0
 
 
