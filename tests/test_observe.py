@@ -120,6 +120,40 @@ def test_the_background_writer_flushes_without_being_asked(tmp_path):
         rec.close()
 
 
+def test_two_flushes_at_once_write_every_record_once(tmp_path):
+    """The background flusher and the training thread's own flush (Trainer.fit's end) may run together:
+    each pops the records it counted, so unguarded they popped the same ones (IndexError, once in a
+    clean-clone CI run)."""
+    import threading
+
+    rec = _recorder(tmp_path)
+    n, rounds = 20_000, 5
+    for _ in range(rounds):
+        for i in range(n):
+            rec._buf.append(("forward", "compute", i, 1, 0, -1, -1, None, -1, -1, 0, 0, -1))
+        rec._added += n
+        start = threading.Barrier(3)
+        errors: list[BaseException] = []
+
+        def flush(start=start, errors=errors):
+            start.wait()
+            try:
+                rec.flush()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=flush) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+    rec.close()
+    lines = (tmp_path / "trace" / "rank_00000.jsonl").read_text().splitlines()
+    assert sum(1 for line in lines if line.startswith('["forward"')) == n * rounds
+    assert not any('"dropped"' in line for line in lines)
+
+
 def test_trace_times_move_onto_rank0s_clock_between_measurements(tmp_path):
     path = tmp_path / "rank_00001.jsonl"
     lines = [{"type": "header", "rank": 1, "coords": {}, "groups": {}},

@@ -200,6 +200,9 @@ class Recorder:
         self.path = self.trace_dir / f"rank_{rank:05d}.jsonl"
         self._file = open(self.path, "a")  # noqa: SIM115 - lives with the recorder
         self._lock = threading.Lock()  # the file: the flusher and close() may both write
+        # one flush at a time: each takes the records it counted, and the background flusher and the
+        # training thread's own flush (fit's end) would otherwise pop the same records (IndexError)
+        self._flushing = threading.Lock()
         header = {"type": "header", "version": TRACE_VERSION, "rank": rank, "world": world, "coords": coords,
                   "mesh": mesh_shape or {}, "groups": groups, "host": host_id(),
                   "pid": os.getpid(),
@@ -267,6 +270,10 @@ class Recorder:
 
     def flush(self) -> None:
         """Write out what is buffered (the flusher does this every interval; close() at the end)."""
+        with self._flushing:
+            self._flush()
+
+    def _flush(self) -> None:
         lines = []
         if self._cuda:
             lines += self._resolve_cuda()
