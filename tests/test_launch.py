@@ -93,6 +93,16 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     _same_as_reference(run, reference)
 
 
+def test_new_interpreters_instead_of_forks_recover_the_same(tmp_path, data, reference):
+    # fault.prefork_workers = false: every worker a new `python -m megascale train`, as under torchrun
+    run = tmp_path / "run"
+    r, _ = launch(run, data, "kill@step:7:rank=1", "fault.prefork_workers=false")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"crash: worker exit codes \{.*1: -9", r.stderr), r.stderr[-3000:]
+    assert re.search(r"start-up \(rank 0\): imports [\d.]+ s", r.stdout)
+    _same_as_reference(run, reference)
+
+
 def test_a_user_error_is_not_restarted(tmp_path, data):
     r, _ = launch(tmp_path / "run", data, "", "data.path=/nonexistent/ds", "data.source=")
     assert r.returncode == 2, r.stderr[-2000:]

@@ -47,6 +47,7 @@ import time
 from contextlib import contextmanager
 
 from megascale.config import FaultConfig
+from megascale.distributed import prefork
 from megascale.errors import UserError
 from megascale.fault import blocklist
 from megascale.fault.heartbeat import read_heartbeats
@@ -367,9 +368,15 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
         return 4
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     t0 = time.time()
+    argv = ("-m", "megascale", "train", *train_argv)
+    server = None
+    if fault.prefork_workers:  # its imports run while the first rendezvous waits for the other hosts
+        server = prefork.Server()
+        os.environ[prefork.ENV] = server.path
+        argv = server.argv(argv)
     try:
         with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store()):
-            elastic_launch(config, entrypoint=sys.executable)("-m", "megascale", "train", *train_argv)
+            elastic_launch(config, entrypoint=sys.executable)(*argv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         for final in (4, 2):  # the workers said why (a failed self-check, a user error)
@@ -383,4 +390,6 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
         return 128 + int(e.sigval)
     finally:
         logging.disable(logging.NOTSET)
+        if server is not None:
+            server.close()
     return 0

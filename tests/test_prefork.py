@@ -1,0 +1,104 @@
+"""The prefork server (megascale/distributed/prefork.py): a worker forked from it behaves, to the process
+that started its stand-in (elastic's agent), as a new interpreter would: its arguments, environment,
+directory and streams; its exit code or death by signal; signals passed on; and it dies with its
+stand-in, even stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megascale.distributed import prefork
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = prefork.Server()
+    yield s
+    s.close()
+
+
+def start(server: prefork.Server, code: str, *args: str, **env: str) -> subprocess.Popen:
+    """`python -c code args...` as a fork of the server, through its stand-in, as elastic starts it."""
+    return subprocess.Popen([sys.executable, *server.argv(("-c", code, *args))],
+                            env={**os.environ, prefork.ENV: server.path, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    end = time.time() + within
+    while time.time() < end:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_worker_gets_its_stand_ins_arguments_environment_directory_and_streams(server, tmp_path):
+    code = ("import os, sys; print(sys.argv[1:], os.environ['PREFORK_TEST'], os.getcwd(), "
+            "os.getsid(0) == os.getpid(), 'torch' in sys.modules); print('to stderr', file=sys.stderr); "
+            "sys.exit(3)")
+    p = subprocess.Popen([sys.executable, *server.argv(("-c", code, "a", "b c"))], cwd=tmp_path,
+                         env={**os.environ, prefork.ENV: server.path, "PREFORK_TEST": "yes"},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 3, err
+    # its own session (signals reach it through the stand-in only) and torch imported already
+    assert out.split("\n")[0] == f"['a', 'b c'] yes {tmp_path} True True"
+    assert "to stderr" in err
+
+
+def test_a_worker_killed_by_a_signal_is_a_stand_in_killed_by_it(server):
+    p = start(server, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+
+
+def test_an_uncaught_error_prints_its_traceback_and_exits_1(server):
+    p = start(server, "raise ValueError('boom')")
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1
+    assert "ValueError: boom" in err and "Traceback" in err
+
+
+def test_sigterm_to_the_stand_in_reaches_the_worker(server):
+    code = ("import os, signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+            "print(os.getpid(), flush=True)\n"
+            "time.sleep(60)\n")
+    p = start(server, code)
+    worker = int(p.stdout.readline())
+    assert worker != p.pid
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)
+    assert p.returncode == 7
+
+
+def test_a_stopped_worker_dies_with_its_stand_in(server):
+    p = start(server, "import os, time; print(os.getpid(), flush=True); time.sleep(60)")
+    worker = int(p.stdout.readline())
+    os.kill(worker, signal.SIGSTOP)  # a frozen worker: deaf to everything but SIGKILL
+    os.killpg(p.pid, signal.SIGKILL)  # what elastic does to the stand-in's group at a restart
+    p.wait(timeout=10)
+    assert gone(worker), f"worker {worker} outlived its stand-in"
+
+
+def test_the_server_ends_with_its_owner_and_a_late_stand_in_says_so(tmp_path):
+    s = prefork.Server()
+    proc = s._proc
+    s.close()
+    assert proc.poll() is not None
+    assert not os.path.exists(s.dir)
+    p = subprocess.run([sys.executable, *s.argv(("-c", "pass"))], env={**os.environ, prefork.ENV: s.path},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert f"the prefork server at {s.path} is gone" in p.stderr
