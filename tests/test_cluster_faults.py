@@ -44,10 +44,10 @@ def data(tmp_path_factory) -> list[str]:
 
 
 def _agent(cluster, host: int, run: Path, data: list[str], fault: str = "", job: str = "job",
-           nnodes: str = "2", extra: tuple[str, ...] = ()):
+           nnodes: str = "2", extra: tuple[str, ...] = (), endpoint: str | None = None):
     env = {"OMP_NUM_THREADS": "1", "MEGASCALE_INJECT": fault or None}
     argv = [sys.executable, "-m", "megascale", "launch", "--nnodes", nnodes, "--nproc-per-node", "2",
-            "--rdzv-endpoint", f"{cluster.addr(0)}:29400", "--rdzv-id", job,
+            "--rdzv-endpoint", endpoint or f"{cluster.addr(0)}:29400", "--rdzv-id", job,
             "--local-addr", cluster.addr(host), "--config", str(ROOT / "configs" / "cpu_default.toml"), *JOB,
             *data, f"train.run_dir={run}", *extra]
     run.parent.mkdir(parents=True, exist_ok=True)
@@ -175,6 +175,35 @@ def test_a_host_failing_its_selfcheck_is_evicted_and_a_replacement_takes_its_pla
     again = _agent(cluster, 1, run, data, job="evict")
     assert again.wait(timeout=60) == 4
     assert f"this host ({cluster.addr(1)}) was evicted from this run" in _logs(run)
+
+
+def test_with_the_store_outside_the_job_the_first_host_is_evicted_and_replaced_too(request, tmp_path, data,
+                                                                                  reference):
+    """`megascale rdzv-store` on a host of its own: host 0, whose agent would otherwise serve the store
+    (and could not leave without ending the job), crashes, fails its self-check, and is replaced."""
+    cluster = make_cluster(request, hosts=4)
+    run = tmp_path / "run"
+    run.parent.mkdir(parents=True, exist_ok=True)
+    out = run.parent / "store.log"
+    with open(out, "w") as f:
+        store = cluster.popen(3, [sys.executable, "-m", "megascale", "rdzv-store", "--bind", cluster.addr(3)],
+                              cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while "serving on" not in out.read_text() and time.time() < deadline and store.poll() is None:
+        time.sleep(0.1)
+    assert "serving on" in out.read_text(), out.read_text()
+    endpoint, a0 = f"{cluster.addr(3)}:29400", cluster.addr(0)
+    faults = f"kill@step:7:host={a0},fail@selfcheck:1:host={a0}:attempt=1"
+    agents = [_agent(cluster, h, run, data, faults, job="outside", endpoint=endpoint,
+                     extra=_own_memory(tmp_path, h)) for h in (0, 1)]
+    assert agents[0].wait(timeout=240) == 4, _logs(run)[-4000:]
+    spare = _agent(cluster, 2, run, data, job="outside", endpoint=endpoint, extra=_own_memory(tmp_path, 2))
+    codes = _wait([agents[1], spare])
+    assert codes == [0, 0], _logs(run)[-4000:]
+    assert f"this host ({a0}) is evicted" in _logs(run)
+    _equal(run, reference)
+    store.terminate()
+    assert store.wait(timeout=10) == 0 and "stopped by SIGTERM" in out.read_text(), out.read_text()
 
 
 def test_without_a_replacement_the_job_shrinks_dp_and_ends_like_the_fault_free_run(request, tmp_path, data,

@@ -93,6 +93,16 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     _same_as_reference(run, reference)
 
 
+def test_a_failed_worker_has_a_stuck_one_killed_not_waited_for(tmp_path, data, reference):
+    # rank 1 dies while rank 0 is stuck (deaf to the SIGTERM elastic would send, then wait 30 s for)
+    run = tmp_path / "run"
+    r, _ = launch(run, data, "kill@step:7:rank=1,hang@step:7:rank=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "a worker failed: stopping the other 1 with SIGKILL" in r.stderr, r.stderr[-3000:]
+    assert re.search(r"crash: worker exit codes \{.*0: -9", r.stderr), r.stderr[-3000:]
+    _same_as_reference(run, reference)
+
+
 def test_new_interpreters_instead_of_forks_recover_the_same(tmp_path, data, reference):
     # fault.prefork_workers = false: every worker a new `python -m megascale train`, as under torchrun
     run = tmp_path / "run"

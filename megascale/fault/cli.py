@@ -1,4 +1,5 @@
-"""`megascale launch`: this host's part of a fault-tolerant job (see fault/driver.py)."""
+"""`megascale launch`: this host's part of a fault-tolerant job (see fault/driver.py); `megascale rdzv-store`:
+its rendezvous store, served outside the job's hosts."""
 
 from __future__ import annotations
 
@@ -24,6 +25,40 @@ def register(subparsers) -> None:
     p.add_argument("--config", help="TOML config file (default: configs/cpu_default.toml)")
     p.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides")
     p.set_defaults(func=_cmd_launch)
+
+    p = subparsers.add_parser(
+        "rdzv-store", help="serve the rendezvous store of `megascale launch` jobs on a host outside them")
+    p.add_argument("--bind", default="0.0.0.0", help="the address to listen on (default: every interface)")
+    p.add_argument("--port", type=int, default=29400)
+    p.set_defaults(func=_cmd_rdzv_store)
+
+
+def _cmd_rdzv_store(args: argparse.Namespace) -> int:
+    """Serve a TCPStore (libuv, many jobs at once) until SIGINT or SIGTERM. A job whose --rdzv-endpoint
+    points here has no host it cannot lose: the agent of the endpoint's host otherwise serves the
+    store, and evicting that host (a failed self-check, a hang) would end the job."""
+    import datetime
+    import signal
+
+    import torch.distributed as dist
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port: {args.port} is not a TCP port")
+    try:
+        store = dist.TCPStore(args.bind, args.port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                              timeout=datetime.timedelta(seconds=60))
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"--bind {args.bind} --port {args.port}: cannot listen there ({e})") from None
+    print(f"megascale rdzv-store: serving on {args.bind}:{store.port}; jobs use --rdzv-endpoint "
+          f"THIS_HOST:{store.port}", flush=True)
+    got = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda n, _f: got.append(n))
+    while not got:
+        signal.pause()
+    print(f"megascale rdzv-store: stopped by {signal.Signals(got[0]).name}", flush=True)
+    del store
+    return 0
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ restarted job runs clean, as after a real fault.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -54,6 +55,11 @@ from megascale.fault.heartbeat import read_heartbeats
 
 _log = logging.getLogger("megascale.launch")
 JOIN_TIMEOUT_S = 120  # how long a host waits for the others in a rendezvous round
+# How long one call to the rendezvous store may block (elastic's default is 60 s). A call made while
+# this host's link was down did not return when the link came back, only at its timeout: with 60 s the
+# agent, whose monitor loop waits on it, saw its failed workers 30 s late. The same timeout bounds the
+# first connection, so an agent first waits for the store's port to open (`_wait_for_store`).
+STORE_READ_TIMEOUT_S = 10
 
 
 def _say(msg: str) -> None:
@@ -149,6 +155,7 @@ def make_agent_class():
 
         def _monitor_workers(self, worker_group):
             self._healthy = False
+            self._kill_the_rest_after_a_failure()
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
                 codes = {f.exitcode for f in result.failures.values()}
@@ -178,6 +185,32 @@ def make_agent_class():
                 return RunResult(state=WorkerState.UNHEALTHY)
             self._healthy = True  # if elastic restarts now, it is for a host waiting to join
             return result
+
+        def _kill_the_rest_after_a_failure(self) -> None:
+            """When a worker has failed, SIGKILL the others before elastic sees it. Elastic stops them with
+            SIGTERM and waits up to 30 s, inside the monitor tick: a worker stuck in a collective (its
+            peer's link down) does not act on SIGTERM, and the restart waited the whole grace (27 s in a
+            link-fault soak). The state worth keeping is in host memory and storage already. The exits
+            are only peeked at (WNOWAIT): elastic reaps and reports them as before."""
+            pcontext = getattr(self, "_pcontext", None)  # the running workers' processes (elastic's)
+            if pcontext is None:
+                return
+            pids, failed = list(pcontext.pids().values()), False
+            alive = []
+            for pid in pids:
+                try:
+                    ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:  # reaped already
+                    continue
+                if ended is None:
+                    alive.append(pid)
+                elif ended.si_code != os.CLD_EXITED or ended.si_status != 0:
+                    failed = True
+            if failed and alive:
+                _say(f"a worker failed: stopping the other {len(alive)} with SIGKILL")
+                for pid in alive:  # each worker leads a session of its own (elastic starts it so)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
 
         def _check_beats(self, worker_group) -> str | None:
             if self.beat_store is None:
@@ -291,6 +324,30 @@ def make_agent_class():
     return MegaScaleAgent
 
 
+def _wait_for_store(endpoint: str, timeout: float) -> None:
+    """Until the rendezvous store at `endpoint` (host:port) accepts connections, or `timeout` s: hosts start
+    in any order, and the store's host may come up after this one. Nothing to wait for when the
+    endpoint is an address of this host, whose agent will serve the store itself."""
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, 0))  # binds only to an address of this host
+        return
+    except OSError:
+        pass
+    deadline, said = time.monotonic() + timeout, False
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port or 29400)), timeout=2).close()
+            return
+        except OSError:
+            if not said:
+                _say(f"waiting up to {timeout:.0f} s for the rendezvous store at {endpoint}")
+                said = True
+            time.sleep(1.0)
+
+
 def _beat_store():
     """This host's beat store: a TCPStore server in the agent's process on 127.0.0.1 (a free port), whose
     address the workers inherit (MEGASCALE_BEAT_STORE). Beats stay on the host, outlive every worker
@@ -350,7 +407,7 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
         # for keys that the round's rank 0 never writes again, and the job deadlocks. Per-round stores
         # fix it; and a dead host leaves the rendezvous after 3 missed 1 s keep-alives, not 15 s.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        rdzv |= {"keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+        rdzv |= {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "read_timeout": STORE_READ_TIMEOUT_S}
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, max_restarts=fault.max_restarts,
@@ -366,6 +423,8 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
              f"not joining. Once it is repaired: megascale launch --unblock {host} --config ... (or delete "
              f"its entry from {blocklist.path(run_dir)})")
         return 4
+    if max_nodes > 1:  # after the blocklist: an evicted host leaves at once, store or no store
+        _wait_for_store(rdzv_endpoint, JOIN_TIMEOUT_S)
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     t0 = time.time()
     argv = ("-m", "megascale", "train", *train_argv)
