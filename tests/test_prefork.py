@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -90,6 +91,31 @@ def test_a_stopped_worker_dies_with_its_stand_in(server):
     os.killpg(p.pid, signal.SIGKILL)  # what elastic does to the stand-in's group at a restart
     p.wait(timeout=10)
     assert gone(worker), f"worker {worker} outlived its stand-in"
+
+
+def test_a_server_whose_owner_was_killed_ends_and_leaves_nothing(tmp_path):
+    code = ("import sys, time; from megascale.distributed import prefork; s = prefork.Server(); "
+            "print(s.dir, s._proc.pid, flush=True); time.sleep(60)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    folder, server = owner.stdout.readline().split()
+    owner.kill()  # SIGKILL: no close(), as when a host's agent dies
+    owner.wait()
+    assert gone(int(server), within=30), "the server outlived its owner"
+    assert not os.path.exists(folder)
+
+
+def test_the_next_server_sweeps_the_folder_of_one_killed_with_its_agent(tmp_path):
+    # a host killed whole: agent and server both SIGKILLed, nobody removes the socket's folder
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tempfile.mkdtemp(prefix=f"megascale-prefork-{dead.pid}-")
+    open(os.path.join(stale, "server.sock"), "w").close()
+    s = prefork.Server()
+    try:
+        assert not os.path.exists(stale)
+        assert os.path.exists(s.dir)  # its own, named after a live pid (this one)
+    finally:
+        s.close()
 
 
 def test_the_server_ends_with_its_owner_and_a_late_stand_in_says_so(tmp_path):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
 import importlib
 import json
 import os
@@ -53,7 +54,8 @@ class Server:
     through their stand-ins); it ends with the process that started it."""
 
     def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="megascale-prefork-")
+        _sweep_stale()
+        self.dir = tempfile.mkdtemp(prefix=f"megascale-prefork-{os.getpid()}-")
         self.path = os.path.join(self.dir, "server.sock")
         # bound and listening before the server runs: a stand-in that comes while it starts and
         # imports waits in the backlog
@@ -80,6 +82,21 @@ class Server:
             self._proc.kill()
             self._proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _sweep_stale() -> None:
+    """Remove the socket folders of servers whose agent died with them (a host killed whole leaves its
+    folder: nobody ran close()). A folder is named after its agent's pid; a live pid keeps it."""
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "megascale-prefork-*-*")):
+        pid = os.path.basename(folder).split("-")[2]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:  # another user's live agent
+            pass
 
 
 def serve(listen_fd: int, alive_fd: int) -> None:
@@ -110,9 +127,10 @@ def serve(listen_fd: int, alive_fd: int) -> None:
                     continue
                 conns[pid] = conn
                 sel.register(conn, selectors.EVENT_READ, pid)
-            elif key.fileobj == alive_fd:  # the agent is gone: so are its workers
+            elif key.fileobj == alive_fd:  # the agent is gone: so are its workers, and the socket's folder
                 for pid in conns:
                     _kill(pid)
+                shutil.rmtree(os.path.dirname(srv.getsockname()), ignore_errors=True)
                 return
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
@@ -149,7 +167,10 @@ def _fork(conn: socket.socket, server_fds: list[int]) -> int:
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
     need = 8 + int.from_bytes(data[:8], "big")
     while len(data) < need:
-        data += conn.recv(need - len(data))
+        more = conn.recv(need - len(data))
+        if not more:
+            raise ConnectionError("the stand-in left before its request was whole")
+        data += more
     req = json.loads(data[8:])
     pid = os.fork()
     if pid:
