@@ -153,6 +153,9 @@ class CheckpointConfig:
     async_persist: bool = True  # stage 2 in a background thread; false: training waits for storage
     writer_process: bool = True  # stage 2 writes from a process of its own; false: from the training process
     async_snapshot: bool = True  # stage 1's copy overlaps the next step's forwards and backwards
+    # each snapshot copied into a peer host's memory too (multi-host jobs): a host that dies whole
+    # restores from its peer's copy instead of from storage (checkpoint/replica.py)
+    memory_replicas: bool = True
     broadcast_restore: bool = True  # one reader per data-parallel group broadcasts the weights
     keep: int = 2  # how many complete checkpoints to keep in storage (the newest is never deleted)
     resume: bool = True  # resume from the newest complete state (memory, else storage) if one exists

@@ -484,8 +484,11 @@ class Trainer:
         m, t, p = self.cfg.model, self.cfg.train, self.cfg.parallel
         n = self._num_params
         r = self.restored
-        where = (f"resumed from {r.source} at step {start_step} ({r.where}, {r.seconds:.2f} s"
-                 f"{'' if r.same_layout else ', resharded from another layout'})" if r else "fresh start")
+        where = "fresh start"
+        if r:
+            peers = f", {r.from_peers} rank(s) from peer hosts" if r.from_peers else ""
+            where = (f"resumed from {r.source} at step {start_step} ({r.where}, {r.seconds:.2f} s"
+                     f"{'' if r.same_layout else ', resharded from another layout'}{peers})")
         if self.device.type == "cpu" and t.dtype == "bf16" and not _cpu_has_bf16():
             print(f"warning: train.dtype=bf16 on a CPU without AVX512-BF16/AMX (capability "
                   f"{torch.backends.cpu.get_cpu_capability()}): bf16 matmuls are emulated and far slower "

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import tempfile
 import threading
 import time
@@ -43,13 +44,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from megascale.checkpoint.replica import PeerReplicas, fetch
 from megascale.checkpoint.shards import Chunk, ensure_optimizer_state
 from megascale.checkpoint.snapshot import HostSnapshot
 from megascale.checkpoint.storage import CheckpointError, Storage
 from megascale.checkpoint.writer import WriterProcess
 from megascale.config import Config
 from megascale.errors import UserError
-from megascale.fault.inject import inject
+from megascale.fault.inject import host_id, inject
 from megascale.observe import timers
 
 if TYPE_CHECKING:
@@ -79,6 +81,7 @@ class RestoreInfo:
     bytes_read: int = 0  # this rank's reads from storage (checksum verification apart)
     bytes_verified: int = 0
     same_layout: bool = True
+    from_peers: int = 0  # ranks whose snapshot came from a peer host's replica (their own host lost it)
     skipped: list[str] = field(default_factory=list)  # newer checkpoints that could not be used, why
 
 
@@ -119,6 +122,21 @@ class CheckpointManager:
         self.committed: set[int] = set()
         self._snapshot_step = -1
         self.last_blocked_s = 0.0
+        # a copy of every snapshot in a peer host's memory (replica.py), in a daemon thread: a transfer
+        # stuck on a dead peer must not keep this process from exiting
+        self.replicas: PeerReplicas | None = None
+        self._replicating: list[Future] = []
+        self._owners: dict[int, set[int]] = {}
+        self._holders: dict[tuple[int, int], int] = {}
+        if c.memory and c.memory_replicas and world > 1:
+            hosts: list[str | None] = [None] * world
+            dist.all_gather_object(hosts, host_id(), group=self.group)
+            replicas = PeerReplicas(self.memory_dir, rank, identity, hosts, None, log)
+            if replicas.active:  # the same on every rank (one host list): all create the group, or none
+                replicas.group = dist.new_group(backend="gloo")
+                self.replicas = replicas
+                self._replicate_queue: queue.Queue = queue.Queue()
+                threading.Thread(target=self._replicate_loop, name="replicate", daemon=True).start()
 
     # ------------------------------------------------------------------ saving
 
@@ -139,6 +157,11 @@ class CheckpointManager:
             chunks = state.model_chunks() + state.optimizer_chunks()
             self.snapshots.take(step, chunks, extra, pin=persist_it)
             self._snapshot_step = step
+            if self.replicas is not None:
+                self.snapshots.pin(step)  # until the peer host has its copy
+                done: Future = Future()
+                self._replicating = [f for f in self._replicating if not f.done()] + [done]
+                self._replicate_queue.put((step, done))
         elif persist_it:
             self.snapshots.pin(step)
         if persist_it:
@@ -194,6 +217,31 @@ class CheckpointManager:
                                  "bytes": result.bytes_written, "error": result.error})
         return result
 
+    def _replicate_loop(self) -> None:
+        _lower_priority()
+        while True:
+            step, done = self._replicate_queue.get()
+            t0 = timers.now_ns()
+            nbytes = 0
+            try:
+                data, header = self.snapshots.raw(step)
+                nbytes = int(data.size)
+                self.replicas.exchange(header, data)
+                done.set_result(None)
+            except Exception as e:  # noqa: BLE001 - a peer gone: the restart that follows deals with it
+                self.log(f"checkpoint: replicating the snapshot of step {step} to rank {self.replicas.dest} "
+                         f"failed ({type(e).__name__}: {e}); the previous replica stays")
+                done.set_result(None)
+            finally:
+                self.snapshots.release(step)
+            timers.record("replicate", "checkpoint", t0, timers.now_ns(), nbytes=nbytes)
+
+    def wait_replicas(self) -> None:
+        """Until the snapshots taken so far are on their peer hosts."""
+        for f in self._replicating:
+            f.result()
+        self._replicating = []
+
     def _trim(self) -> None:
         """Keep the newest `keep` complete checkpoints; drop leftovers of failed persists."""
         done = self.storage.committed()
@@ -219,9 +267,12 @@ class CheckpointManager:
     def finish(self, step: int) -> bool:
         """Wait for stage 2. Once storage holds `step`, the host-memory copy is freed. True if it does."""
         self.wait()
+        self.wait_replicas()
         safe = step in self.committed
         if safe:
             self.snapshots.clear()
+            if self.replicas is not None:
+                self.replicas.clear()
         return safe
 
     def close(self) -> None:
@@ -235,12 +286,15 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restoring
 
     def fresh_start(self) -> None:
-        """Forget host-memory snapshots of an earlier run of this directory."""
+        """Forget host-memory snapshots (and peers' replicas) of an earlier run of this directory."""
         self.snapshots.clear()
+        if self.replicas is not None:
+            self.replicas.clear()
 
     def restore(self, state: TrainState) -> RestoreInfo | None:
         """Collective: load the newest complete state into `state`; None when there is none."""
         t0 = time.perf_counter()
+        self.wait_replicas()  # a rollback: no transfer of a snapshot still reading a slot
         listing = [self.storage.committed() if self.rank == 0 else None]
         if self.world > 1:
             dist.broadcast_object_list(listing, src=0, group=self.group)
@@ -273,20 +327,48 @@ class CheckpointManager:
         return None
 
     def _common_memory_steps(self) -> list[int]:
+        """Steps every rank can restore from host memory: its own snapshot, or a peer host's replica of
+        it (a rank whose host died whole)."""
         mine = self.snapshots.find()
         if self.world == 1:
             return mine
-        every: list[list[int] | None] = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
-        common = set(every[0] or [])
-        for s in every[1:]:
-            common &= set(s or [])
-        return sorted(common, reverse=True)
+        held = self.replicas.held() if self.replicas is not None else {}
+        every: list[tuple | None] = [None] * self.world
+        dist.all_gather_object(every, (mine, held), group=self.group)
+        self._owners = {r: set(own) for r, (own, _) in enumerate(every)}
+        self._holders = {}  # (rank, step) -> the first rank holding a replica of it
+        for holder, (_, h) in enumerate(every):
+            for src, steps in h.items():
+                for s in steps:
+                    self._holders.setdefault((int(src), s), holder)
+        common: set[int] | None = None
+        for r in range(self.world):
+            avail = self._owners[r] | {s for (src, s) in self._holders if src == r}
+            common = avail if common is None else common & avail
+        return sorted(common or (), reverse=True)
+
+    def _fetch_from_peers(self, step: int) -> int:
+        """Every rank without its own snapshot of `step` receives a peer host's replica of it and installs
+        it as its own. The same order of transfers on every rank; each involves two. Returns how many."""
+        lost = [r for r in range(self.world) if step not in self._owners.get(r, {step})]
+        for r in lost:
+            holder = self._holders[(r, step)]
+            if self.rank == holder:
+                self.replicas.serve(r, step, r, self.group)
+            elif self.rank == r:
+                header, data = fetch(holder, self.group)
+                self.snapshots.install(header, data)
+        if lost and self.rank == 0:
+            self.log(f"checkpoint: rank(s) {', '.join(map(str, lost))} lost their host-memory snapshot "
+                     f"(their host's memory is gone); step {step} comes from the replicas on peer hosts")
+        return len(lost)
 
     def _restore_memory(self, step: int, state: TrainState) -> RestoreInfo | None:
         error = ""
         extra: dict[str, Any] = {}
+        fetched = 0
         try:
+            fetched = self._fetch_from_peers(step)
             table = self.snapshots.table(step)
             ensure_optimizer_state(state.optimizer, _optimizer_keys(
                 (fqn, tuple(shape), dtype) for fqn, _, _, dtype, _, _, shape in table))
@@ -299,7 +381,7 @@ class CheckpointManager:
                      "; restoring from storage")
             return None
         self._snapshot_step = step
-        return RestoreInfo(step, "memory", str(self.memory_dir), extra, 0.0)
+        return RestoreInfo(step, "memory", str(self.memory_dir), extra, 0.0, from_peers=fetched)
 
     def _check_stored(self, path: str) -> tuple[str | None, dict | None, int]:
         """Verify every file's checksum, the files split over the ranks: (the first problem or None,

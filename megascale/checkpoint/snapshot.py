@@ -187,6 +187,17 @@ class HostSnapshot:
             slot.copy.result()  # this slot's copy only (the main thread owns the latest one's future)
         return self._views(slot), dict(slot.extra or {})
 
+    def raw(self, step: int) -> tuple[np.ndarray, dict[str, Any]]:
+        """(the bytes, the header) of the pinned snapshot of `step`, once its copy is complete: what a
+        peer host keeps a replica of (replica.py)."""
+        with self._lock:
+            slot = next(s for s in self.slots if s.target == step and s.busy)
+        if slot.copy is not None:
+            slot.copy.result()
+        nbytes = max((t[4] + math.prod(t[2]) * DTYPES[t[3]].itemsize for t in slot.table), default=1)
+        header = {"step": step, "identity": self.identity, "table": slot.table, "extra": slot.extra}
+        return slot.buffer[:nbytes], header
+
     def release(self, step: int) -> None:
         with self._lock:
             for s in self.slots:
@@ -225,6 +236,32 @@ class HostSnapshot:
         if not isinstance(h, dict) or h.get("identity") != self.identity or not self._file(i, "bin").exists():
             return None
         return h
+
+    def install(self, header: dict[str, Any], data: np.ndarray) -> None:
+        """Make a snapshot received from a peer host (replica.py) this rank's own, as if it had taken it:
+        into the slot without a snapshot or with the older one, the header last. `restore` then reads
+        it like any other."""
+        if not self.shared:
+            raise OSError("no shared memory directory to install a snapshot into")
+        if header.get("identity") != self.identity:
+            raise ValueError("the replica is of another rank, layout or run")
+        steps = [(self._header(i) or {}).get("step", -1) for i in (0, 1)]
+        i = 1 if steps[0] > steps[1] else 0
+        self._file(i, "json").unlink(missing_ok=True)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        f = self._file(i, "bin")
+        fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(data.size, 1))
+        finally:
+            os.close(fd)
+        buf = np.memmap(f, dtype=np.uint8, mode="r+", shape=(max(data.size, 1),))
+        buf[:data.size] = data
+        buf.flush()
+        keep = {k: header[k] for k in ("step", "identity", "table", "extra")}
+        tmp = self._file(i, "json.tmp")
+        tmp.write_text(json.dumps(keep))
+        os.replace(tmp, self._file(i, "json"))
 
     def restore(self, step: int, chunks: list[Chunk]) -> dict[str, Any]:
         """Copy the snapshot of `step` into `chunks` (the same boxes it was taken of); its extra state."""
