@@ -113,13 +113,13 @@ def test_a_worker_killed_on_another_host_is_recovered_exactly(request, tmp_path,
     _equal(run, reference)
 
 
-def test_a_dead_host_brought_back_rejoins_and_the_job_ends_exactly(request, tmp_path, data, reference):
-    cluster = make_cluster(request, hosts=2)
-    run = tmp_path / "run"
+def _host_1_dies_mid_run(cluster, run: Path, data, job: str, extra=lambda h: (), lose_memory=None) -> str:
+    """Hosts 0 and 1 train; after 5 steps host 1 dies whole (agent and workers; `lose_memory`, a
+    directory, with it) and its pod is started again 5 s later. Returns the agents' logs."""
     # the first attempt is slowed (0.3 s per forward, ~0.6 s a step) so the machine surely goes mid-run:
     # a fast CI machine once finished all 14 steps before the kill, and nothing was left to recover
     slow = "delay@forward:0.3"
-    agents = [_agent(cluster, h, run, data, slow, job="host") for h in (0, 1)]
+    agents = [_agent(cluster, h, run, data, slow, job=job, extra=extra(h)) for h in (0, 1)]
     metrics = run / "metrics.jsonl"
     deadline, steps = time.time() + 240, 0
     while time.time() < deadline and steps < 5:  # let it train a few steps, then the machine goes
@@ -129,12 +129,40 @@ def test_a_dead_host_brought_back_rejoins_and_the_job_ends_exactly(request, tmp_
     cluster.kill_host(1)  # agent and workers: the whole host
     assert 5 <= steps < 14, f"the kill must land mid-run (after {steps} of 14 steps)"
     agents[1].wait(timeout=30)
+    if lose_memory is not None:
+        shutil.rmtree(lose_memory)
     time.sleep(5)
-    agents[1] = _agent(cluster, 1, run, data, job="host")  # the cluster manager starts it again
+    agents[1] = _agent(cluster, 1, run, data, job=job, extra=extra(1))  # the cluster manager starts it again
     codes = _wait(agents)
     logs = _logs(run)
     assert codes == [0, 0], logs[-4000:]
     assert "restart 1 of 3" in logs, logs[-4000:]
+    return logs
+
+
+def test_a_dead_host_brought_back_rejoins_and_the_job_ends_exactly(request, tmp_path, data, reference):
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    _host_1_dies_mid_run(cluster, run, data, "host")
+    _equal(run, reference)
+
+
+def test_a_host_that_died_with_its_memory_resumes_from_the_replicas_on_its_peer(request, tmp_path, data,
+                                                                                 reference):
+    """Each host its own host memory, and no storage checkpoint before the end: host 1's snapshots die
+    with it, and its ranks' state comes back from the copies host 0 keeps (checkpoint.memory_replicas),
+    at the newest snapshot, not from scratch."""
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+
+    def memory(h: int) -> tuple[str, ...]:
+        return (f"checkpoint.memory_dir={tmp_path / 'shm' / f'host{h}'}",)
+
+    lost = tmp_path / "shm" / "host1"
+    logs = _host_1_dies_mid_run(cluster, run, data, "replicas", memory, lose_memory=lost)
+    assert "rank(s) 2, 3 lost their host-memory snapshot" in logs, logs[-4000:]
+    resumed = re.search(r"resumed from memory at step (\d+) .*2 rank\(s\) from peer hosts", logs)
+    assert resumed and int(resumed.group(1)) >= 4, logs[-4000:]
     _equal(run, reference)
 
 
