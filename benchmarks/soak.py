@@ -261,6 +261,12 @@ def report(faults: list[dict], lines: list[tuple[float, str]], run: Path, wall: 
               f"(max {max(fs, default=nan):.1f})")
     print(f"run: {wall:.0f} s wall, {len(steps)} steps that count ({len(recs)} step records), {len(faults)} "
           f"fault(s); ETTR {100 * productive / wall:.1f}% (productive step time {productive:.0f} s / wall)")
+    if steps:
+        # the same at the run's median step time: a step slowed by anything (a snapshot, a warm-up after a
+        # restart) counts as lost, not as productive
+        med = statistics.median(r["step_time"] for r in steps.values())
+        print(f"median step {med:.3f} s; ETTR at the median step {100 * len(steps) * med / wall:.1f}% "
+              f"({len(steps)} x {med:.3f} s / wall)")
 
 
 def first_step_after(run: Path, t: float) -> float | None:

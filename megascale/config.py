@@ -209,6 +209,10 @@ class FaultConfig:
     max_restarts: int = 3  # restarts of the worker group (crash, hang, failed self-check) before giving up
     heartbeat_interval_s: float = 2.0  # every rank's beat to the launcher's store
     heartbeat_timeout_s: float = 10.0  # no beat this long: the rank is dead or stopped -> restart
+    # how often each host's agent looks at its workers (exits, beats) and asks the rendezvous whether a host
+    # waits to join: a fault is seen up to this late, twice (the faulty host, then the others); each look is
+    # one request to the rendezvous store per host (torchrun: 0.1 s)
+    monitor_interval_s: float = 0.5
     hang_timeout_s: float = 0.0  # beats but no new step this long -> restart (0: max(60 s, 20 x median step))
     max_nan_rollbacks: int = 3  # non-finite loss: roll back to the last snapshot, skip the batch; this often
     selfcheck: bool = True  # under megascale launch: every host checks itself before each (re)start
@@ -460,6 +464,7 @@ def validate(cfg: Config) -> None:
     _positive("fault.max_restarts", fc.max_restarts, allow_zero=True)
     _positive("fault.heartbeat_interval_s", fc.heartbeat_interval_s)
     _positive("fault.heartbeat_timeout_s", fc.heartbeat_timeout_s)
+    _positive("fault.monitor_interval_s", fc.monitor_interval_s)
     if fc.heartbeat_timeout_s < 2 * fc.heartbeat_interval_s:
         raise ConfigError(f"fault.heartbeat_timeout_s: {fc.heartbeat_timeout_s} s is under two heartbeats "
                           f"(fault.heartbeat_interval_s={fc.heartbeat_interval_s}): one late beat would "

@@ -80,6 +80,9 @@ def test_round_trip_through_toml(tmp_path):
         (["observe.straggler_threshold=-0.1"], "observe.straggler_threshold", "> 0"),
         (["observe.straggler_window=-1"], "observe.straggler_window", ">= 0"),
         (["observe.buffer_records=0"], "observe.buffer_records", "> 0"),
+        (["fault.monitor_interval_s=0"], "fault.monitor_interval_s", "> 0"),
+        (["fault.heartbeat_timeout_s=1", "fault.heartbeat_interval_s=1"], "fault.heartbeat_timeout_s",
+         "under two heartbeats"),
     ],
 )
 def test_errors_name_field_and_reason(overrides, field, reason):

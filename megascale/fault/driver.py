@@ -411,7 +411,7 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
         rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, max_restarts=fault.max_restarts,
-        monitor_interval=1.0, local_addr=local_addr,
+        monitor_interval=fault.monitor_interval_s, local_addr=local_addr,
         rdzv_configs=rdzv,
     )
     os.environ["MEGASCALE_LAUNCH"] = "1"  # the workers' cue: self-check before training (fault.selfcheck)
