@@ -364,7 +364,8 @@ class Trainer:
                     self._roll_back(s, logger, bar)
                     continue
                 if saved_at is not None:  # save() + the wait for its copy before this step's update
-                    logger.log("checkpoint", {"step": saved_at, "blocked_s": self.checkpoints.last_blocked_s})
+                    logger.log("checkpoint", {"step": saved_at, "blocked_s": self.checkpoints.last_blocked_s,
+                                              "snapshots_skipped": self.checkpoints.skipped})
                     saved_at = None
                 times.append(s.step_time)
                 losses.append(s.loss)

@@ -135,3 +135,28 @@ def test_a_damaged_replica_falls_back_to_storage_on_every_rank(pool, tmp_path):
         assert torch.equal(r["w"], torch.full((5, 3), rank + 1.0, dtype=torch.float64)), rank
     said = out[0]["lines"] + out[2]["lines"]
     assert any("cannot be used" in x and "shorter than its header" in x for x in said), said
+
+
+def test_a_memory_snapshot_is_skipped_not_waited_for_while_both_slots_are_taken(tmp_path):
+    """Slot A is being persisted (pinned), slot B holds the newest snapshot: a snapshot for memory only
+    takes nothing and returns at once (training would otherwise stall for the rest of the persist), and
+    both earlier snapshots stay intact; once A is released the next one goes into it."""
+    from megascale.checkpoint.snapshot import HostSnapshot
+
+    w = torch.zeros(4, dtype=torch.float64)
+    snaps = HostSnapshot(tmp_path, 0, {"rank": 0}, background=False)
+
+    def chunks():
+        return [Chunk("model/w", (4,), (0,), w, True)]
+
+    w += 1
+    assert snaps.take(1, chunks(), {}, pin=True)  # stage 2 holds it
+    w += 1
+    assert snaps.take(2, chunks(), {})
+    w += 1
+    assert not snaps.take(3, chunks(), {}, wait=False)
+    assert snaps.find() == [2, 1]
+    snaps.release(1)
+    assert snaps.take(3, chunks(), {}, wait=False)
+    assert snaps.find() == [3, 2]
+    snaps.close()

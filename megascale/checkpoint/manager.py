@@ -122,6 +122,7 @@ class CheckpointManager:
         self.committed: set[int] = set()
         self._snapshot_step = -1
         self.last_blocked_s = 0.0
+        self.skipped = 0  # memory snapshots skipped for want of a free slot (see save)
         # a copy of every snapshot in a peer host's memory (replica.py), in a daemon thread: a transfer
         # stuck on a dead peer must not keep this process from exiting
         self.replicas: PeerReplicas | None = None
@@ -153,9 +154,14 @@ class CheckpointManager:
         t0 = time.perf_counter()
         if persist_it and step in self.committed:  # re-saving a committed step: it is the same state
             persist_it = False
+        took = False
         if step != self._snapshot_step:
             chunks = state.model_chunks() + state.optimizer_chunks()
-            self.snapshots.take(step, chunks, extra, pin=persist_it)
+            # a snapshot for memory only is skipped, not waited for, while both slots are taken: a
+            # persist of the older one holds it for seconds on a busy host, and training would stall
+            took = self.snapshots.take(step, chunks, extra, pin=persist_it, wait=persist_it)
+            self.skipped += not took
+        if took:
             self._snapshot_step = step
             if self.replicas is not None:
                 self.snapshots.pin(step)  # until the peer host has its copy

@@ -118,9 +118,13 @@ class HostSnapshot:
 
     # ---- taking a snapshot
 
-    def take(self, step: int, chunks: list[Chunk], extra: dict[str, Any], pin: bool = False) -> None:
+    def take(self, step: int, chunks: list[Chunk], extra: dict[str, Any], pin: bool = False,
+             wait: bool = True) -> bool:
         """Start copying `chunks` into a free slot (in the background if enabled); `pin`: keep the slot
-        for stage 2 (as `pin` does) from now on, before the copy is even done."""
+        for stage 2 (as `pin` does) from now on, before the copy is even done. With both slots taken (the
+        newest snapshot, and an older one stage 2 still persists or a peer still receives), wait for one,
+        or with `wait=False` take nothing and return False: a snapshot skipped costs a few steps of
+        redo after a crash, a wait stalls training for the rest of a persist (seconds)."""
         self.wait()
         table, off = [], 0
         for c in chunks:
@@ -133,6 +137,8 @@ class HostSnapshot:
                 if free:
                     slot = free[0]
                     break
+                if not wait:
+                    return False
                 self._lock.wait()
             if self.shared:
                 self._file(slot.index, "json").unlink(missing_ok=True)
@@ -158,6 +164,7 @@ class HostSnapshot:
 
         slot.copy = self._pool.submit(copy) if self._pool is not None else _done(copy)
         self._copy = slot.copy
+        return True
 
     def wait(self) -> None:
         """Until the copy in flight is complete (before the weights change)."""
