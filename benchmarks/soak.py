@@ -121,6 +121,8 @@ def main() -> None:
             wall = time.time() - t0  # the night ends here: the clean stop after it is not training time
             night.stop()
         report(faults, night.lines, night.run, wall, t0)
+        if a.keep:  # the drivers' lines beside the trace, each with its time since the start
+            (Path(a.keep) / "drivers.log").write_text("".join(f"{t - t0:8.2f} {x}\n" for t, x in night.lines))
 
 
 class Night:
