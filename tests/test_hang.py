@@ -73,6 +73,22 @@ def _hang(run_dir: Path, data: list[str], fault: str) -> tuple[float, str, dict,
         except ProcessLookupError:
             pass  # the job ended by itself (its failure is asserted above)
         job.wait(timeout=30)
+        _kill_workers_of(run_dir)
+
+
+def _kill_workers_of(run_dir: Path) -> None:
+    """The workers lead sessions of their own (elastic starts them so), out of the launcher's group: a
+    SIGKILLed launcher leaves them, and with hang_action=dump they would sit out the rest of the suite
+    on its cores. Every process whose command line names this run directory goes."""
+    mark = f"train.run_dir={run_dir}".encode()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if mark in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
 
 
 def test_a_stopped_rank_is_named(tmp_path, data):
