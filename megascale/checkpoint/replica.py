@@ -33,6 +33,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megascale.checkpoint.snapshot import shared_buffer
+
 
 def ring_peers(hosts: list[str], rank: int) -> tuple[int | None, list[int]]:
     """(the rank `rank` sends its snapshot to, the ranks that send theirs to it), given each rank's host
@@ -53,10 +55,15 @@ def ring_peers(hosts: list[str], rank: int) -> tuple[int | None, list[int]]:
     return dest(rank), [r for r in range(len(hosts)) if dest(r) == rank]
 
 
-def _send_json(obj: dict, dst: int, group) -> None:
+def _json_tensors(obj: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(its length, its bytes): a JSON object as the two messages `_recv_json` reads."""
     blob = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    dist.send(torch.tensor([blob.numel()], dtype=torch.int64), dst, group=group)
-    dist.send(blob, dst, group=group)
+    return torch.tensor([blob.numel()], dtype=torch.int64), blob
+
+
+def _send_json(obj: dict, dst: int, group) -> None:
+    for t in _json_tensors(obj):
+        dist.send(t, dst, group=group)
 
 
 def _recv_json(src: int, group) -> dict:
@@ -90,13 +97,10 @@ class PeerReplicas:
 
     def exchange(self, header: dict[str, Any], data: np.ndarray) -> None:
         """Send this rank's snapshot (its header and bytes) to `dest`; keep what `sources` send."""
-        header = {**header, "nbytes": int(data.size)}
-        blob = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-        size = torch.tensor([blob.numel()], dtype=torch.int64)
         # the sends asynchronous, the receives in turn: no pair waits on another (a ring of blocking
         # sends would deadlock once the messages outgrow gloo's buffers)
         sends = [dist.isend(t, self.dest, group=self.group)
-                 for t in (size, blob, torch.from_numpy(data))]
+                 for t in (*_json_tensors({**header, "nbytes": int(data.size)}), torch.from_numpy(data))]
         try:
             for src in self.sources:
                 self._receive(src)
@@ -126,14 +130,7 @@ class PeerReplicas:
         buf = self._buffers.get((src, slot))
         if buf is not None and buf.size >= nbytes and self._file(src, slot, "bin").exists():
             return buf
-        f = self._file(src, slot, "bin")
-        self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, max(nbytes, 1))  # a full tmpfs is an error now, not a SIGBUS later
-        finally:
-            os.close(fd)
-        buf = np.memmap(f, dtype=np.uint8, mode="r+", shape=(max(nbytes, 1),))
+        buf = shared_buffer(self._file(src, slot, "bin"), nbytes)
         self._buffers[(src, slot)] = buf
         return buf
 

@@ -48,6 +48,23 @@ def _nbytes(c: Chunk) -> int:
     return math.prod(c.sizes) * c.tensor.element_size()
 
 
+def table_nbytes(table: list) -> int:
+    """The bytes a slot's box table spans (its last box's end)."""
+    return max((t[4] + math.prod(t[2]) * DTYPES[t[3]].itemsize for t in table), default=1)
+
+
+def shared_buffer(path: Path, nbytes: int) -> np.memmap:
+    """A file of `nbytes` (tmpfs), its pages reserved now, mapped: a full tmpfs is ENOSPC here, not a
+    SIGBUS in the middle of a copy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    finally:
+        os.close(fd)
+    return np.memmap(path, dtype=np.uint8, mode="r+", shape=(max(nbytes, 1),))
+
+
 @dataclass
 class _Slot:
     index: int
@@ -89,13 +106,7 @@ class HostSnapshot:
         if self.shared:
             f = self._file(slot.index, "bin")
             try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, max(nbytes, 1))  # the pages now: ENOSPC here, not SIGBUS later
-                finally:
-                    os.close(fd)
-                slot.buffer = np.memmap(f, dtype=np.uint8, mode="r+", shape=(max(nbytes, 1),))
+                slot.buffer = shared_buffer(f, nbytes)
             except OSError as e:
                 f.unlink(missing_ok=True)
                 self.log(f"checkpoint.memory_dir {self.dir}: no room for a {nbytes / 1e6:.0f} MB snapshot "
@@ -201,7 +212,7 @@ class HostSnapshot:
             slot = next(s for s in self.slots if s.target == step and s.busy)
         if slot.copy is not None:
             slot.copy.result()
-        nbytes = max((t[4] + math.prod(t[2]) * DTYPES[t[3]].itemsize for t in slot.table), default=1)
+        nbytes = table_nbytes(slot.table)
         header = {"step": step, "identity": self.identity, "table": slot.table, "extra": slot.extra}
         return slot.buffer[:nbytes], header
 
@@ -255,14 +266,7 @@ class HostSnapshot:
         steps = [(self._header(i) or {}).get("step", -1) for i in (0, 1)]
         i = 1 if steps[0] > steps[1] else 0
         self._file(i, "json").unlink(missing_ok=True)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        f = self._file(i, "bin")
-        fd = os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, max(data.size, 1))
-        finally:
-            os.close(fd)
-        buf = np.memmap(f, dtype=np.uint8, mode="r+", shape=(max(data.size, 1),))
+        buf = shared_buffer(self._file(i, "bin"), data.size)
         buf[:data.size] = data
         buf.flush()
         keep = {k: header[k] for k in ("step", "identity", "table", "extra")}
@@ -281,7 +285,7 @@ class HostSnapshot:
             if [t[:4] for t in table] != mine:
                 raise ValueError("the snapshot holds other tensors than this rank's state")
             slot = self.slots[i]
-            nbytes = max((t[4] + math.prod(t[2]) * DTYPES[t[3]].itemsize for t in table), default=1)
+            nbytes = table_nbytes(table)
             size = self._file(i, "bin").stat().st_size
             if size < nbytes:
                 raise ValueError(f"{self._file(i, 'bin')}: {size} bytes, the snapshot needs {nbytes}")
