@@ -50,15 +50,14 @@ from contextlib import contextmanager
 from megascale.config import FaultConfig
 from megascale.distributed import prefork
 from megascale.errors import UserError
-from megascale.fault import blocklist
-from megascale.fault.heartbeat import read_heartbeats
+from megascale.fault import blocklist, rendezvous
 
 _log = logging.getLogger("megascale.launch")
 JOIN_TIMEOUT_S = 120  # how long a host waits for the others in a rendezvous round
-# How long one call to the rendezvous store may block (elastic's default is 60 s). A call made while
-# this host's link was down did not return when the link came back, only at its timeout: with 60 s the
-# agent, whose monitor loop waits on it, saw its failed workers 30 s late. The same timeout bounds the
-# first connection, so an agent first waits for the store's port to open (`_wait_for_store`).
+# How long one call to the rounds' store (the workers' master address, elastic's exit barrier) may block
+# (elastic's default is 60 s). The rendezvous state, asked every monitor tick, has a connection and a
+# timeout of its own (fault/rendezvous.py). The same timeout bounds the first connection, so an agent
+# first waits for the store's port to open (`_wait_for_store`).
 STORE_READ_TIMEOUT_S = 10
 
 
@@ -80,6 +79,8 @@ def make_agent_class():
     """The agent class (imported lazily: torch.distributed.elastic is heavy)."""
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from megascale.fault.heartbeat import read_heartbeats
 
     class MegaScaleAgent(LocalElasticAgent):
         fault: FaultConfig = FaultConfig()
@@ -383,10 +384,6 @@ def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, be
 def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, train_argv: list[str],
            fault: FaultConfig, local_addr: str | None = None, run_dir: str = "runs/default") -> int:
     """Run `megascale train <train_argv>` as this host's part of the job; the job's exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     lo, _, hi = nnodes.partition(":")
     try:
         min_nodes, max_nodes = int(lo), int(hi or lo)
@@ -408,12 +405,9 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
         # fix it; and a dead host leaves the rendezvous after 3 missed 1 s keep-alives, not 15 s.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         rdzv |= {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "read_timeout": STORE_READ_TIMEOUT_S}
-    config = LaunchConfig(
-        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, max_restarts=fault.max_restarts,
-        monitor_interval=fault.monitor_interval_s, local_addr=local_addr,
-        rdzv_configs=rdzv,
-    )
+    config_args = dict(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
+                       max_restarts=fault.max_restarts, monitor_interval=fault.monitor_interval_s,
+                       local_addr=local_addr, rdzv_configs=rdzv)
     os.environ["MEGASCALE_LAUNCH"] = "1"  # the workers' cue: self-check before training (fault.selfcheck)
     # the host's name in the job: its address as the others reach it (simulated hosts share a hostname)
     host = os.environ.setdefault("MEGASCALE_HOST_ID", local_addr or socket.gethostname())
@@ -423,16 +417,34 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
              f"not joining. Once it is repaired: megascale launch --unblock {host} --config ... (or delete "
              f"its entry from {blocklist.path(run_dir)})")
         return 4
-    if max_nodes > 1:  # after the blocklist: an evicted host leaves at once, store or no store
-        _wait_for_store(rdzv_endpoint, JOIN_TIMEOUT_S)
-    logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     t0 = time.time()
     argv = ("-m", "megascale", "train", *train_argv)
     server = None
-    if fault.prefork_workers:  # its imports run while the first rendezvous waits for the other hosts
+    if fault.prefork_workers:
+        # started before this process imports torch (~2 s): the server's own imports (~3 s) run beside
+        # those, the wait for the store and the first rendezvous; a host started again after a crash
+        # trains that much sooner
         server = prefork.Server()
         os.environ[prefork.ENV] = server.path
         argv = server.argv(argv)
+    try:
+        return _run_agent(config_args, fault, max_nodes, host, run_dir, rdzv_endpoint, argv, t0)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str, run_dir: str,
+               rdzv_endpoint: str, argv: tuple[str, ...], t0: float) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if max_nodes > 1:  # after the blocklist: an evicted host leaves at once, store or no store
+        _wait_for_store(rdzv_endpoint, JOIN_TIMEOUT_S)
+    rendezvous.register()
+    config = LaunchConfig(rdzv_backend=rendezvous.BACKEND, rdzv_endpoint=rdzv_endpoint, **config_args)
+    logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     try:
         with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store()):
             elastic_launch(config, entrypoint=sys.executable)(*argv)
@@ -449,6 +461,4 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
         return 128 + int(e.sigval)
     finally:
         logging.disable(logging.NOTSET)
-        if server is not None:
-            server.close()
     return 0

@@ -1,0 +1,124 @@
+"""The agents' rendezvous: elastic's c10d rendezvous, whose state travels on a connection that is
+replaced after a failed call.
+
+Every monitor tick each host's agent asks the rendezvous state whether a host waits to join, and every
+second its keep-alive thread writes to it. Elastic's c10d backend keeps one TCPStore connection for
+the agent's whole life. When a host's link goes down, the requests it sends meanwhile stay unacked,
+and TCP backs off its retransmissions on that connection (0.2 s, 0.4 s, ... doubling): after a 20 s
+outage the next retransmission came some 5 s after the link was back, and the call waiting on it
+returned only at its 10 s read timeout. The agent, whose monitor loop waits on that call, learned of
+the new round 8 s late (a link-fault soak: 11 s from link-up to the first step). A reply that arrives
+after its call timed out is also read as the answer to the next call on the same connection.
+
+Here the state goes through a connection of its own, which is dropped after any failed call; the next
+call opens a new one, whose SYN leaves at once, so the first tick after the link is back gets through.
+Calls time out after `STATE_TIMEOUT_S`, so while the store is out of reach the agent's own checks (exits,
+beats) still run every few seconds. The store handed to the workers' rounds (elastic's, for the master
+address) keeps its own connection, idle between rounds, so no backoff builds up on it.
+
+The handler is elastic's own `DynamicRendezvousHandler` (built by `create_handler`), registered under
+`BACKEND`: nothing of the rendezvous protocol is ours.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable
+
+BACKEND = "megascale-c10d"
+# how long one call to the rendezvous state may take, connecting included: a compare-and-set on the
+# store takes milliseconds even on a busy host; a call that takes this long waits on a dead link
+STATE_TIMEOUT_S = 3.0
+
+
+def make_backend(connect: Callable[[], object], run_id: str):
+    """A RendezvousBackend that keeps elastic's c10d state format and replaces its connection (a store
+    from `connect()`) after a failed call. Built lazily: elastic is heavy to import."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend
+
+    class ReconnectingBackend(RendezvousBackend):
+        def __init__(self) -> None:
+            self._lock = threading.Lock()  # the agent's loop and its keep-alive thread share it
+            self._inner: C10dRendezvousBackend | None = None
+            self.connections = 0  # connections opened (the tests read it)
+
+        @property
+        def name(self) -> str:
+            return BACKEND
+
+        def _call(self, op: Callable):
+            with self._lock:
+                if self._inner is None:
+                    self.connections += 1
+                try:
+                    self._inner, result = _bounded(lambda: self._on(op), STATE_TIMEOUT_S)
+                    return result
+                except (RendezvousConnectionError, RuntimeError, ValueError, TimeoutError, OSError) as e:
+                    self._inner = None  # its unacked requests (or a late reply) stay with it
+                    if isinstance(e, RendezvousConnectionError):
+                        raise
+                    raise RendezvousConnectionError(f"cannot reach the rendezvous store: {e}") from e
+
+        def _on(self, op: Callable):
+            inner = self._inner or C10dRendezvousBackend(connect(), run_id)
+            return inner, op(inner)
+
+        def get_state(self):
+            return self._call(lambda b: b.get_state())
+
+        def set_state(self, state: bytes, token=None):
+            return self._call(lambda b: b.set_state(state, token))
+
+    return ReconnectingBackend()
+
+
+def _bounded(fn: Callable, timeout: float):
+    """fn() on a thread of its own, waited for at most `timeout` s (then TimeoutError). A TCPStore call on a
+    connection whose peer went silent returns when TCP gives up, some 15 minutes later, whatever the
+    store's timeout says (only waiting for a key is bounded by it). The thread left behind holds only the
+    abandoned connection, and ends when the link returns or TCP gives up."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            out["error"] = e
+
+    t = threading.Thread(target=run, name="rendezvous-call", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"no answer in {timeout:g} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _client(host: str, port: int):
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=STATE_TIMEOUT_S))
+
+
+def create_handler(params):
+    """Elastic's c10d rendezvous handler for `params`, its state on a reconnecting connection. The store
+    elastic makes here is the server on the host that holds the endpoint (else a client), and the
+    store of the rounds."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as elastic_handler
+
+    _, store = create_backend(params)
+    host, port = store.host, store.port  # the port the server took (an endpoint may say port 0)
+    return elastic_handler(store, make_backend(lambda: _client(host, port), params.run_id), params)
+
+
+def register() -> None:
+    """Make `BACKEND` a rendezvous backend name for elastic's launcher (again: a no-op)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND, create_handler)
