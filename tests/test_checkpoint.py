@@ -344,3 +344,35 @@ def test_a_full_memory_dir_is_one_line_and_training_goes_on(corpus, tmp_path, re
         assert same(final_weights(run_dir), reference)
     finally:
         subprocess.run(["umount", "-l", str(shm)], check=False)
+
+
+def test_a_slots_boxes_are_made_once_per_layout_and_hold_each_new_snapshot(tmp_path):
+    """The views of a slot's buffer are kept between snapshots of one layout (hundreds of tensors per
+    rank: remaking them cost the training thread each time), still receive each new snapshot, and a
+    new layout gets new ones."""
+    from megascale.checkpoint.shards import Chunk
+    from megascale.checkpoint.snapshot import HostSnapshot
+
+    w = torch.arange(4, dtype=torch.float64)
+    snaps = HostSnapshot(tmp_path, 0, {"rank": 0}, background=False)
+
+    def chunks(t):
+        return [Chunk("model/w", tuple(t.shape), (0,), t, True)]
+
+    for step in (1, 2):  # one into each slot
+        w += 1
+        snaps.take(step, chunks(w), {})
+    boxes = [s.views[2][0].tensor for s in snaps.slots]
+    for step in (3, 4):
+        w += 1
+        snaps.take(step, chunks(w), {})
+        assert all(s.views[2][0].tensor is box for s, box in zip(snaps.slots, boxes, strict=True))
+    out = torch.zeros(4, dtype=torch.float64)
+    snaps.restore(4, chunks(out))
+    assert torch.equal(out, w)
+    bigger = torch.arange(6, dtype=torch.float64)
+    snaps.take(5, chunks(bigger), {})
+    out = torch.zeros(6, dtype=torch.float64)
+    snaps.restore(5, chunks(out))
+    assert torch.equal(out, bigger)
+    snaps.close()
