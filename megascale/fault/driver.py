@@ -54,10 +54,11 @@ from megascale.fault import blocklist, rendezvous
 
 _log = logging.getLogger("megascale.launch")
 JOIN_TIMEOUT_S = 120  # how long a host waits for the others in a rendezvous round
-# How long one call to the rounds' store (the workers' master address, elastic's exit barrier) may block
-# (elastic's default is 60 s). The rendezvous state, asked every monitor tick, has a connection and a
-# timeout of its own (fault/rendezvous.py). The same timeout bounds the first connection, so an agent
-# first waits for the store's port to open (`_wait_for_store`).
+# The rounds' store's timeout (the workers' master address, elastic's exit barrier; elastic's default is
+# 60 s). It bounds waiting for a key and the first connection (so an agent first waits for the store's
+# port to open: `_wait_for_store`), not a call on a connection whose peer went silent, which returns only
+# when TCP gets through or gives up. The rendezvous state, asked every monitor tick, is bounded by a
+# thread of its own (fault/rendezvous.py).
 STORE_READ_TIMEOUT_S = 10
 
 

@@ -43,7 +43,7 @@ def make_backend(connect: Callable[[], object], run_id: str):
         def __init__(self) -> None:
             self._lock = threading.Lock()  # the agent's loop and its keep-alive thread share it
             self._inner: C10dRendezvousBackend | None = None
-            self.connections = 0  # connections opened (the tests read it)
+            self.connections = 0  # connections tried, failed ones included (the tests read it)
 
         @property
         def name(self) -> str:
