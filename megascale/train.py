@@ -145,27 +145,31 @@ class Trainer:
             self.mesh = create_mesh(self.dist, cfg.parallel, cfg.distributed)
             first_collective(self.dist, self.mesh, self.device)
             if cfg.fault.selfcheck and under_launcher():
-                self._selfcheck()
+                with self._phase("selfcheck"):
+                    self._selfcheck()
         else:
             self.mesh = Mesh(1, 1, 1, 0)
-        self.engine = ParallelEngine(cfg, self.mesh, self.device, self.model_dtype, init)
-        del init
-        self.model, self.optimizer = self.engine.model, self.engine.optimizer
-        self.n_micro = self.engine.n_micro  # micro-batches per step on each dp rank
-        with torch.device("meta"):  # the one-process count (a tied matrix once), no memory, no collective
-            self._num_params = GPT(m).num_params()
-        # this dp rank's rows; data.shared_loader: one reader per host (collective)
-        self.loader = build_loader(cfg, self.train_samples, self.mesh, self.device)
+        with self._phase("build"):
+            self.engine = ParallelEngine(cfg, self.mesh, self.device, self.model_dtype, init)
+            del init
+            self.model, self.optimizer = self.engine.model, self.engine.optimizer
+            self.n_micro = self.engine.n_micro  # micro-batches per step on each dp rank
+            with torch.device("meta"):  # the one-process count (a tied matrix once), no memory, no collective
+                self._num_params = GPT(m).num_params()
+            # this dp rank's rows; data.shared_loader: one reader per host (collective)
+            self.loader = build_loader(cfg, self.train_samples, self.mesh, self.device)
         self.step = 0
 
         # --- the newest complete state (host memory, else storage), from any layout
-        self.checkpoints = CheckpointManager(cfg, self.run_dir, self.mesh, self.dist.rank, self.world_size,
-                                             layout_of(cfg), self._warn)
-        self.restored: RestoreInfo | None = None
-        with agree_on_user_errors(self.dist):
-            self._resume(resume)
+        with self._phase("restore"):
+            self.checkpoints = CheckpointManager(cfg, self.run_dir, self.mesh, self.dist.rank,
+                                                 self.world_size, layout_of(cfg), self._warn)
+            self.restored: RestoreInfo | None = None
+            with agree_on_user_errors(self.dist):
+                self._resume(resume)
         # after the resume: a fresh start has archived an earlier run's traces by now
-        self.observer = Observer(cfg, self.run_dir, self.mesh, self.device, self._warn)
+        with self._phase("observer"):
+            self.observer = Observer(cfg, self.run_dir, self.mesh, self.device, self._warn)
         self.heartbeat = self.observer.start_heartbeat(cfg.fault.heartbeat_interval_s)  # under a launcher
         if self.world_size > 1:  # start-up is over: collectives of training get their own timeout
             set_collective_timeout(self.mesh, cfg.distributed.collective_timeout_s)
@@ -173,7 +177,8 @@ class Trainer:
         self.tokens_per_step = t.global_batch * m.seq_len  # the whole job's, every layout
         self.flops_per_token = flops_per_token(m, training=True)
         self.flops_per_token_published = published_flops_per_token(m)
-        self.peak_info = self._peak_flops()  # per device; MFU divides by world_size of them
+        with self._phase("peak"):
+            self.peak_info = self._peak_flops()  # per device; MFU divides by world_size of them
         self.peak = self.peak_info.flops
         self._stop_signal: int | None = None
         self._stop_agreed: int | None = None  # the signal every rank stops for
@@ -189,6 +194,15 @@ class Trainer:
         return box[0]
 
     # ------------------------------------------------------------------ set-up helpers
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Time one phase of a distributed start-up into the start-up breakdown (the `startup` record):
+        after a fault, where the seconds to the first step go."""
+        t0 = time.perf_counter()
+        yield
+        if self.world_size > 1:
+            self.dist.timings[name] = time.perf_counter() - t0
 
     def _selfcheck(self) -> None:
         """The host self-check of a launched job; a host that fails goes on the run's blocklist (its first

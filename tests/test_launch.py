@@ -90,6 +90,12 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     assert re.search(detected, r.stderr), r.stderr[-3000:]
     assert "restarting the job (restart 1 of 3)" in r.stderr and "restart 2 of" not in r.stderr
     assert "resumed from memory at step 6" in r.stdout, r.stdout[-2000:]
+    # where the restart's seconds went: the agent's phases on stderr, the workers' in the startup record
+    assert re.search(r"restart: stopped [\d.]+ s, rendezvous [\d.]+ s, workers started [\d.]+ s \(round 1\)",
+                     r.stderr), r.stderr[-3000:]
+    starts = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"startup"' in x]
+    assert [s["step"] for s in starts] == [0, 6]
+    assert {"init_process_group", "selfcheck", "build", "restore", "observer", "peak"} <= starts[1].keys()
     _same_as_reference(run, reference)
 
 

@@ -129,3 +129,31 @@ def test_the_registered_handler_completes_a_one_host_round():
         assert handler.num_nodes_waiting() == 0
     finally:
         handler.shutdown()
+
+
+def test_waiting_agents_read_the_state_every_poll_interval(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
+
+    polls = [rendezvous.poll_interval_s(n) for n in (1, 2, 20, 100, 200, 5000)]
+    assert polls == [0.1, 0.1, 0.1, 0.5, 1.0, 1.0]
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", dynamic_rendezvous._delay)  # undone after the test
+    params = RendezvousParameters(backend=rendezvous.BACKEND, endpoint="127.0.0.1:0", run_id="poll",
+                                  min_nodes=1, max_nodes=2, local_addr="127.0.0.1")
+    handler = rendezvous.create_handler(params)
+    try:
+        # elastic reuses a read of the state for 1 s and sleeps 1 s between reads: both are the poll here
+        assert handler._state_holder._cache_duration == 0.1
+        slept = []
+        monkeypatch.setattr(utils.time, "sleep", slept.append)
+        dynamic_rendezvous._delay(seconds=1)  # the executor's poll
+        dynamic_rendezvous._delay(seconds=0.25)  # any other delay is elastic's
+        assert slept == [0.1, 0.25]
+        second = rendezvous.create_handler(RendezvousParameters(  # wraps elastic's delay, not ours
+            backend=rendezvous.BACKEND, endpoint="127.0.0.1:0", run_id="poll2", min_nodes=1, max_nodes=2,
+            local_addr="127.0.0.1", poll_interval=0.3))
+        second.shutdown()
+        dynamic_rendezvous._delay(seconds=1)
+        assert slept == [0.1, 0.25, 0.3]
+    finally:
+        monkeypatch.undo()
+        handler.shutdown()

@@ -315,3 +315,13 @@ def test_the_speed_expected_of_a_rank_is_its_share_of_the_cores(monkeypatch):
     assert selfcheck.cpu_share() == 0.25  # 8 ranks of 1 thread on 2 cores
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert selfcheck.cpu_share() == 1.0
+
+
+def test_ranks_sharing_a_cpu_host_split_its_memory_test():
+    # 4 ranks of one CPU host each test a quarter of the buffer: the host's whole size, one rank's cost
+    full = sc.run_selfcheck("cpu", min_fraction=0)
+    shared = sc.run_selfcheck("cpu", min_fraction=0, memory_share=4)
+    size = sc.QUICK["cpu"].memory_mb
+    got = [r.detail.split(" ok")[0] for r in (full.results[1], shared.results[1])]
+    assert got == [f"{size} MiB", f"{size // 4} MiB"]
+    assert sc._memory_mb(size, torch.device("cuda"), 4) == size  # a GPU's memory is its own

@@ -98,6 +98,7 @@ def make_agent_class():
             self._progress: dict[int, tuple[int, float]] = {}  # rank -> (step, when it last changed)
             self._intervals: list[float] = []  # seconds per step seen in the beats (the auto hang timeout)
             self._healthy = False  # the last monitor tick found the workers healthy
+            self._phases: dict[str, float] | None = None  # the restart in progress: phase -> seconds
             self.events: list[dict] = []
 
         # ---------------------------------------------------------------- the rendezvous store
@@ -142,7 +143,7 @@ def make_agent_class():
             deadline = time.monotonic() + JOIN_TIMEOUT_S
             while True:
                 try:
-                    super()._rendezvous(worker_group)
+                    self._timed("rendezvous", super()._rendezvous, worker_group)
                     self._export_round(worker_group)
                     self._generation += 1  # the workers about to start beat under a key of their own
                     os.environ["MEGASCALE_BEAT_GEN"] = str(self._generation)
@@ -290,7 +291,23 @@ def make_agent_class():
                 _say("membership: a host waits to join (restarted, a replacement, or after a fault it saw "
                      "first); restarting the job to take it in")
             self._healthy = False
+            self._phases = {}
             super()._restart_workers(worker_group)
+            parts = ", ".join(f"{k} {v:.2f} s" for k, v in self._phases.items())
+            _say(f"restart: {parts} (round {os.environ.get('MEGASCALE_ROUND', '?')}); the workers' own "
+                 "start-up is in the run's startup records")
+
+        def _timed(self, phase: str, fn, *args):
+            """fn(*args), its seconds kept as a phase of the restart in progress (the restart line)."""
+            t0 = time.monotonic()
+            try:
+                return fn(*args)
+            finally:
+                if self._phases is not None:
+                    self._phases[phase] = self._phases.get(phase, 0.0) + time.monotonic() - t0
+
+        def _start_workers(self, worker_group):
+            return self._timed("workers started", super()._start_workers, worker_group)
 
         def _evicted(self, worker_group) -> None:
             self._remaining_restarts = 0
@@ -321,7 +338,7 @@ def make_agent_class():
         def _stop_workers(self, worker_group) -> None:
             # SIGKILL, not SIGTERM: what must survive is in host memory and storage already, and a
             # stopped or hung worker would not act on SIGTERM (elastic would wait 30 s for nothing)
-            self._shutdown(signal.SIGKILL, timeout=5)
+            self._timed("stopped", self._shutdown, signal.SIGKILL, 5)
 
     return MegaScaleAgent
 
@@ -398,7 +415,8 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
     # last call: once MIN hosts are in, how long a round waits for more (a MIN:MAX job's hosts start with
     # some skew, and a round closed early would run smaller than it could)
     last_call = 2 if min_nodes == max_nodes else 10
-    rdzv = {"join_timeout": JOIN_TIMEOUT_S, "last_call_timeout": last_call, "close_timeout": 10}
+    rdzv = {"join_timeout": JOIN_TIMEOUT_S, "last_call_timeout": last_call, "close_timeout": 10,
+            "poll_interval": fault.rendezvous_poll_s}
     if max_nodes > 1:
         # Elastic shares the rendezvous TCPStore with the workers and publishes its address once, in the
         # first round: a host that joins a later round (a machine restarted after a crash) then waits

@@ -17,7 +17,11 @@ beats) still run every few seconds. The store handed to the workers' rounds (ela
 address) keeps its own connection, idle between rounds, so no backoff builds up on it.
 
 The handler is elastic's own `DynamicRendezvousHandler` (built by `create_handler`), registered under
-`BACKEND`: nothing of the rendezvous protocol is ours.
+`BACKEND`: nothing of the rendezvous protocol is ours, except how often a waiting agent reads the state.
+Elastic sleeps 1 s between reads and reuses a read for 1 s (a round waits on that two or three times:
+1.1-1.8 s of a 4.5 s restart after a crash, two hosts); here both are `poll_interval_s`, max_nodes / 200 s
+within [0.1 s, 1 s], so the store still sees at most ~200 reads a second from the waiting agents, whatever
+the job's size.
 """
 
 from __future__ import annotations
@@ -105,6 +109,29 @@ def _client(host: str, port: int):
                          timeout=datetime.timedelta(seconds=STATE_TIMEOUT_S))
 
 
+def poll_interval_s(max_nodes: int) -> float:
+    """Seconds between a waiting agent's reads of the rendezvous state (`fault.rendezvous_poll_s` = 0)."""
+    return min(1.0, max(0.1, max_nodes / 200))
+
+
+def _poll_every(every: float) -> None:
+    """Elastic's waiting agents read the state every `every` s instead of every 1 s. Private API: the
+    executor's sleep is `dynamic_rendezvous._delay(seconds=1)`; every other delay (the first round's
+    random skew) is left as it is. Without that name (another torch), elastic's 1 s stays."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    original = getattr(dr, "_delay", None)
+    if original is None:
+        return
+    original = getattr(original, "elastic_delay", original)  # a second handler: wrap elastic's, not ours
+
+    def delay(seconds) -> None:  # elastic calls it with seconds=
+        original(seconds=every if seconds == 1 else seconds)
+
+    delay.elastic_delay = original
+    dr._delay = delay
+
+
 def create_handler(params):
     """Elastic's c10d rendezvous handler for `params`, its state on a reconnecting connection. The store
     elastic makes here is the server on the host that holds the endpoint (else a client), and the
@@ -112,9 +139,16 @@ def create_handler(params):
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as elastic_handler
 
+    poll = float(params.get("poll_interval", 0) or 0) or poll_interval_s(params.max_nodes)
+    if poll != 1.0:
+        _poll_every(poll)
     _, store = create_backend(params)
     host, port = store.host, store.port  # the port the server took (an endpoint may say port 0)
-    return elastic_handler(store, make_backend(lambda: _client(host, port), params.run_id), params)
+    handler = elastic_handler(store, make_backend(lambda: _client(host, port), params.run_id), params)
+    holder = getattr(handler, "_state_holder", None)  # private API, as _poll_every
+    if poll != 1.0 and isinstance(getattr(holder, "_cache_duration", None), (int, float)):
+        holder._cache_duration = poll  # a read is reused this long (elastic: 1 s, which hid faster polls)
+    return handler
 
 
 def register() -> None:

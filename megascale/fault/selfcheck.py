@@ -512,7 +512,7 @@ def _neighbours(ring_group) -> tuple[int, int] | None:
 
 def run_selfcheck(device="cpu", host_group=None, host_ranks: list[int] | None = None, ring_group=None,
                   quick: bool = True, alltoall: bool | None = None,
-                  min_fraction: float = 0.5) -> SelfCheckReport:
+                  min_fraction: float = 0.5, memory_share: int = 1) -> SelfCheckReport:
     """All checks of this rank: matmul and memory always; the host all-reduce (and on GPUs the host
     all-to-all) when `host_group` is given, p2p with the ring neighbours when `ring_group` is. The
     collective ones must be called on every rank of their groups, in this order.
@@ -520,13 +520,17 @@ def run_selfcheck(device="cpu", host_group=None, host_ranks: list[int] | None = 
     `min_fraction` is the matmul speed floor (x the best rate recorded). The record is the fastest
     this key ever ran, so on a machine shared with other work (CI, a laptop) a quick check can fall
     well below it: pass 0 there to check correctness only.
+
+    `memory_share`: on a CPU, this many ranks share the host's memory and each tests 1/share of the
+    pattern buffer (a GPU's memory is its own: each tests the whole size). Together they still cover
+    the host's full size, at the cost of one rank's test instead of `share` of them at once.
     """
     device = torch.device(device)
     sizes = (QUICK if quick else FULL)["cuda" if device.type == "cuda" else "cpu"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # what training runs in
     results = [
         _guard("matmul", check_matmul, device, dtype, sizes.matmul_n, min_fraction, sizes.matmul_runs),
-        _guard("memory", check_memory, sizes.memory_mb, device),
+        _guard("memory", check_memory, _memory_mb(sizes.memory_mb, device, memory_share), device),
     ]
     if host_group is not None:
         ranks = host_ranks if host_ranks is not None else dist.get_process_group_ranks(host_group)
@@ -537,6 +541,11 @@ def run_selfcheck(device="cpu", host_group=None, host_ranks: list[int] | None = 
     if peers is not None:
         results.append(_guard("p2p", check_p2p, *peers, ring_group, sizes.p2p_mb))
     return SelfCheckReport(inject.host_id(), _rank(), results)
+
+
+def _memory_mb(mbytes: int, device: torch.device, share: int) -> int:
+    """This rank's part of the host's memory test (see run_selfcheck's memory_share)."""
+    return mbytes if device.type == "cuda" else max(1, mbytes // max(1, share))
 
 
 # --------------------------------------------------------------------------- megascale diagnose --hosts
@@ -662,7 +671,7 @@ def host_selfcheck(device, min_fraction: float, warn) -> SelfCheckReport:
             if rank in ranks:
                 host_group, host_ranks = g, ranks
     report = run_selfcheck(device, host_group=host_group, host_ranks=host_ranks, ring_group=dist.group.WORLD,
-                           min_fraction=min_fraction)
+                           min_fraction=min_fraction, memory_share=local if world % local == 0 else 1)
     every: list = [None] * world
     dist.all_gather_object(every, (report.ok, report.line(), report.host))
     failed = [line for ok, line, _ in every if not ok]
