@@ -56,7 +56,8 @@ def worker_pids(run: Path) -> dict[int, int]:
     return out
 
 
-def train_records(run: Path) -> list[dict]:
+def metric_records(run: Path) -> list[dict]:
+    """The run's metrics.jsonl records so far (a line still being written is skipped)."""
     try:
         lines = (run / "metrics.jsonl").read_text().splitlines()
     except OSError:
@@ -64,12 +65,14 @@ def train_records(run: Path) -> list[dict]:
     out = []
     for x in lines:
         try:
-            r = json.loads(x)
+            out.append(json.loads(x))
         except ValueError:
             continue
-        if r.get("kind") == "train":
-            out.append(r)
     return out
+
+
+def train_records(run: Path) -> list[dict]:
+    return [r for r in metric_records(run) if r.get("kind") == "train"]
 
 
 def main() -> None:
@@ -268,11 +271,34 @@ def report(faults: list[dict], lines: list[tuple[float, str]], run: Path, wall: 
               f"(max {max(fs, default=nan):.1f})")
     print(f"run: {wall:.0f} s wall, {len(steps)} steps that count ({len(recs)} step records), {len(faults)} "
           f"fault(s); ETTR {100 * productive / wall:.1f}% (productive step time {productive:.0f} s / wall)")
+    restart_phases(lines, run)
     if steps:
         # a step slowed by the job's own machinery (snapshots, their replicas, persists) would count as
         # productive time: compare the mean step with a fault-free run's (--first 1e9) to see it
         times = [r["step_time"] for r in steps.values()]
         print(f"step time: mean {statistics.mean(times):.3f} s, median {statistics.median(times):.3f} s")
+
+
+def restart_phases(lines: list[tuple[float, str]], run: Path) -> None:
+    """Where a restart's seconds went, medians over the run: the agents' phases (their `restart:` lines)
+    and rank 0's start-up phases (the run's startup records after the first start)."""
+    agent: dict[str, list[float]] = {}
+    for _, line in lines:
+        if "megascale launch: restart: " in line:
+            for part in line.split("restart: ", 1)[1].split(" (round")[0].split(", "):
+                name, secs, _ = part.rsplit(" ", 2)  # "workers started 0.01 s"
+                agent.setdefault(name, []).append(float(secs))
+    workers: dict[str, list[float]] = {}
+    for r in [r for r in metric_records(run) if r.get("kind") == "startup"][1:]:
+        for k, v in r.items():
+            if k not in ("kind", "step") and isinstance(v, (int, float)):
+                workers.setdefault(k, []).append(v)
+    if agent:
+        print("restart, agents (median s): "
+              + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in agent.items()))
+    if workers:
+        print(f"restart, rank 0's start-up over {len(next(iter(workers.values())))} restarts (median s): "
+              + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in workers.items()))
 
 
 def first_step_after(run: Path, t: float) -> float | None:
