@@ -3,6 +3,7 @@
 
     python benchmarks/soak.py [--minutes 20] [--gap 60:180] [--nproc 2] [--seed 0] [overrides]
     python benchmarks/soak.py --hosts 2 [--kinds kill,stop,link,host] ...   # on a simulated cluster (root)
+    python benchmarks/soak.py --faults 2 --first 0 --gap 0:0 ...   # 2 faults, each after the last recovered
 
 The job (the CPU default model, dp over every rank, host-memory snapshots every 5 steps, storage
 every 100) runs under `megascale launch`; this script plays the night: at random moments it
@@ -88,6 +89,9 @@ def main() -> None:
     ap.add_argument("--cycle", action="store_true", help="the kinds in turn instead of at random")
     ap.add_argument("--verbose", action="store_true", help="print every line the job writes to stderr")
     ap.add_argument("--keep", default=None, help="run in this directory and keep it (trace, metrics)")
+    ap.add_argument("--faults", type=int, default=0,
+                    help="this many faults, each once the job trains again after the one before; end when "
+                         "it trains again after the last (0: faults for the whole --minutes)")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
     rng = random.Random(a.seed)
@@ -103,6 +107,11 @@ def main() -> None:
         try:
             while time.time() < end and night.running():
                 time.sleep(0.2)
+                # --faults: each fault (after its gap) once the job trains again after the one before
+                if a.faults and faults and not recovered(night, faults[-1]):
+                    continue
+                if a.faults and len(faults) >= a.faults:
+                    break
                 if time.time() < next_at:
                     continue
                 pids = worker_pids(night.run)
@@ -127,6 +136,13 @@ def main() -> None:
         if a.keep:  # the drivers' lines beside the trace, each with its time since the start
             Path(a.keep).mkdir(parents=True, exist_ok=True)
             (Path(a.keep) / "drivers.log").write_text("".join(f"{t - t0:8.2f} {x}\n" for t, x in night.lines))
+
+
+def recovered(night: Night, fault: dict) -> bool:
+    """Whether a step ended after a driver's line about `fault` (see report: the first step after it)."""
+    after = night.lines[fault["lines_from"]:]
+    seen = next((t for t, line in after if any(m in line for m in DETECTED)), None)
+    return seen is not None and first_step_after(night.run, seen) is not None
 
 
 class Night:

@@ -9,8 +9,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_soak_benchmark_runs(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/soak.py", "--minutes", "0.6", "--first", "10", "--gap",
-                        "13:13", "--kinds", "kill,stop", "--cycle", "model.n_layers=1", "model.d_model=32",
+    r = subprocess.run([sys.executable, "benchmarks/soak.py", "--minutes", "1.5", "--faults", "2", "--first",
+                        "0", "--gap", "0:0", "--kinds", "kill,stop", "--cycle", "model.n_layers=1",
+                        "model.d_model=32",
                         "model.n_heads=2", "model.seq_len=32", f"data.path={tmp_path}/ds"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -29,7 +30,7 @@ def test_soak_benchmark_runs_on_a_simulated_cluster(tmp_path):
     require_netns()
     before = set(netns.namespaces())
     r = subprocess.run([sys.executable, "benchmarks/soak.py", "--hosts", "2", "--nproc", "1", "--minutes",
-                        "0.9", "--first", "12", "--gap", "200:200", "--kinds", "host", "model.n_layers=1",
+                        "1.5", "--faults", "1", "--first", "0", "--kinds", "host", "model.n_layers=1",
                         "model.d_model=32", "model.n_heads=2", "model.seq_len=32",
                         f"data.path={tmp_path}/ds"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
