@@ -260,7 +260,7 @@ class Trainer:
         """Checkpoint the current step (collective: every rank calls it): stage 1 into host memory now,
         stage 2 to storage in the background; `final` waits for storage. Returns the storage path."""
         extra = {"rng": rng_state(), "loader": self.loader.state_dict()}
-        self.checkpoints.save(self.step, self.engine, extra, persist)
+        self.checkpoints.save(self.step, self.engine, extra, persist, last=final)
         if final:
             self.checkpoints.finish(self.step)
         return self.checkpoints.storage.url(self.checkpoints.storage.step_dir(self.step))

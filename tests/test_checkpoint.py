@@ -105,16 +105,32 @@ def test_restores_from_memory_after_the_writer_is_killed(corpus, tmp_path, refer
 
 
 def test_a_killed_writer_process_is_one_line_and_training_goes_on(corpus, tmp_path, reference):
-    """kill -9 of the writer process (stage 2 of step 6): that persist fails with one line, training goes
-    on, a new writer persists the end; nothing is lost."""
+    """kill -9 of the writer process (stage 2 of step 4, persists every 2 steps): that persist fails with
+    one line, training goes on, a new writer persists step 6, and the end is persisted; nothing is lost."""
     run_dir = tmp_path / "run"
-    r = cli(corpus, run_dir, env={"MEGASCALE_INJECT": "kill@writer:6"})
+    r = cli(corpus, run_dir, "checkpoint.interval=2", env={"MEGASCALE_INJECT": "kill@writer:4"})
     assert r.returncode == 0, r.stderr
     fails = [ln for ln in r.stderr.splitlines() if "persisting step" in ln]
-    assert len(fails) == 1 and "persisting step 6" in fails[0] and "writer process of rank 0 died" in fails[0]
-    assert "step 3 stays the newest checkpoint" in fails[0], r.stderr
-    assert [s for s, _ in Storage(run_dir / "checkpoints").committed()] == [3, 8]
+    assert len(fails) == 1 and "persisting step 4" in fails[0] and "writer process of rank 0 died" in fails[0]
+    assert "step 2 stays the newest checkpoint" in fails[0], r.stderr
+    assert [s for s, _ in Storage(run_dir / "checkpoints").committed()] == [6, 8]
     assert same(final_weights(run_dir), reference)
+
+
+def test_a_final_persist_with_no_writer_running_is_written_by_the_training_process(corpus, tmp_path,
+                                                                                     reference):
+    """Only the end persisted (checkpoint.interval=0): starting a writer process (a new interpreter
+    importing torch) would cost more than the write, and nothing trains beside it, so none is started;
+    with persists along the way the one writer started for them writes the end too."""
+    t = trainer(corpus, tmp_path / "end", "checkpoint.interval=0")
+    t.fit()
+    assert t.checkpoints.writer is not None and t.checkpoints.writer.started == 0
+    assert [s for s, _ in Storage(tmp_path / "end" / "checkpoints").committed()] == [8]
+    assert same(final_weights(tmp_path / "end"), reference)
+    t = trainer(corpus, tmp_path / "along")
+    t.fit()
+    assert t.checkpoints.writer.started == 1
+    assert [s for s, _ in Storage(tmp_path / "along" / "checkpoints").committed()] == [6, 8]
 
 
 def test_restores_from_storage_when_memory_is_gone(corpus, tmp_path, reference):

@@ -148,9 +148,12 @@ class CheckpointManager:
         self.snapshots.wait()
         self.last_blocked_s += time.perf_counter() - t0
 
-    def save(self, step: int, state: TrainState, extra: dict[str, Any], persist_it: bool) -> float:
+    def save(self, step: int, state: TrainState, extra: dict[str, Any], persist_it: bool,
+             last: bool = False) -> float:
         """Snapshot `step` (stage 1) and, if `persist_it`, queue stage 2. Returns the seconds training
-        was blocked here (the copy itself overlaps the next step unless async_snapshot is off)."""
+        was blocked here (the copy itself overlaps the next step unless async_snapshot is off).
+        `last`: the caller waits for storage next (the run's end, a stop by signal): nothing trains
+        meanwhile."""
         t0 = time.perf_counter()
         if persist_it and step in self.committed:  # re-saving a committed step: it is the same state
             persist_it = False
@@ -172,15 +175,20 @@ class CheckpointManager:
             self.snapshots.pin(step)
         if persist_it:
             self._pending = [f for f in self._pending if not f.done()]
+            # The writer process keeps stage 2's GIL-bound serialisation away from training. When
+            # nothing trains meanwhile it protects nothing, and starting one (a new interpreter
+            # importing torch, every rank of a host at once) costs more than the write: 6 s of a
+            # 2 x 2 test job's 18 s.
+            here = last and not (self.writer is not None and self.writer.running())
             if self._pool is None:
-                self._persist(step)
+                self._persist(step, here)
             else:
-                self._pending.append(self._pool.submit(self._persist, step))
+                self._pending.append(self._pool.submit(self._persist, step, here))
         blocked = time.perf_counter() - t0
         self.last_blocked_s = blocked
         return blocked
 
-    def _persist(self, step: int) -> PersistResult:
+    def _persist(self, step: int, in_process: bool = False) -> PersistResult:
         from megascale.checkpoint.dcp_io import persist, write_rank_files
 
         _lower_priority()
@@ -188,7 +196,8 @@ class CheckpointManager:
         views, extra = self.snapshots.acquire(step)
         try:
             blob = json.dumps(extra.get("rng", {})).encode()
-            if self.writer is not None and self.snapshots.shared and self.storage.protocol != "memory":
+            if (self.writer is not None and not in_process and self.snapshots.shared
+                    and self.storage.protocol != "memory"):
                 slot_file, table = self.snapshots.slot_file(step)
 
                 def write(path: str):

@@ -11,8 +11,10 @@ training process's persist thread only waits on the pipe and does the one all-ga
 rank 0, the commit (dcp_io.persist).
 
 The process is started (spawn: no fork of a process with gloo and OpenMP threads) at the first
-persist, niced, and restarted after it dies: a killed writer is a failed persist (one line,
-training goes on), never a lost job. It exits when the training process goes away (EOF on the
+persist that training goes on beside (a final one that the training process waits for is written
+from that process when no writer is running yet: nothing trains to be protected), niced, and
+restarted after it dies: a killed writer is a failed persist (one line, training goes on), never a
+lost job. It exits when the training process goes away (EOF on the
 pipe).
 """
 
@@ -36,6 +38,10 @@ class WriterProcess:
         self.rank = rank
         self._proc = None
         self._conn = None
+        self.started = 0  # processes started so far (a dead one is replaced at the next persist)
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
 
     def write(self, storage_root: str, path: str, slot_file: str, table: list, extra: bytes
               ) -> tuple[dict[str, dict[str, Any]], Any]:
@@ -61,6 +67,7 @@ class WriterProcess:
         self._proc = ctx.Process(target=_serve, args=(child, self.rank), daemon=True,
                                  name=f"megascale-writer-{self.rank}")
         self._proc.start()
+        self.started += 1
         child.close()
         self._conn = parent
 
