@@ -131,7 +131,11 @@ def serve(listen_fd: int, alive_fd: int) -> None:
                 for pid in conns:
                     _kill(pid)
                 shutil.rmtree(os.path.dirname(srv.getsockname()), ignore_errors=True)
-                return
+                # no interpreter teardown: with torch loaded it took ~1 s, which the agent (and a job's
+                # end) waited for, and the server holds nothing that needs it
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
             elif key.data in conns and not key.fileobj.recv(1):  # its stand-in died: SIGKILLed by elastic
