@@ -97,11 +97,16 @@ def _close(run: Path, reference: Path) -> None:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-9, atol=1e-12)
 
 
+# a 1:2 job's round waits this long for a second host (both start together here); after an eviction,
+# with no spare coming, the survivor waits it out
+SHRINK = ("parallel.dp=0", "fault.rendezvous_last_call_s=3")
+
+
 def _shrinking(cluster, run: Path, data, tmp_path: Path, fault: str, job: str, *extra: str) -> list[int]:
     """Hosts 0 and 1 in a `--nnodes 1:2`, `parallel.dp = 0` job (each its own host memory) with `fault`;
     their exit codes."""
     return _wait([_agent(cluster, h, run, data, fault, job=job, nnodes="1:2",
-                         extra=(*_own_memory(tmp_path, h), "parallel.dp=0", *extra)) for h in (0, 1)])
+                         extra=(*_own_memory(tmp_path, h), *SHRINK, *extra)) for h in (0, 1)])
 
 
 def test_a_worker_killed_on_another_host_is_recovered_exactly(request, tmp_path, data, reference):
@@ -233,8 +238,7 @@ def test_without_a_replacement_the_job_shrinks_dp_and_ends_like_the_fault_free_r
                                                                                    reference):
     cluster = make_cluster(request, hosts=2)
     run = tmp_path / "run"
-    agents = _evicted_after_a_crash(cluster, run, data, tmp_path, ("parallel.dp=0",), job="shrink",
-                                    nnodes="1:2")
+    agents = _evicted_after_a_crash(cluster, run, data, tmp_path, SHRINK, job="shrink", nnodes="1:2")
     codes = _wait([agents[0]])
     logs = _logs(run)
     assert codes == [0], logs[-4000:]

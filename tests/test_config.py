@@ -81,6 +81,8 @@ def test_round_trip_through_toml(tmp_path):
         (["observe.straggler_window=-1"], "observe.straggler_window", ">= 0"),
         (["observe.buffer_records=0"], "observe.buffer_records", "> 0"),
         (["fault.monitor_interval_s=0"], "fault.monitor_interval_s", "> 0"),
+        (["fault.rendezvous_poll_s=-1"], "fault.rendezvous_poll_s", ">= 0"),
+        (["fault.rendezvous_last_call_s=0"], "fault.rendezvous_last_call_s", "> 0"),
         (["fault.heartbeat_timeout_s=1", "fault.heartbeat_interval_s=1"], "fault.heartbeat_timeout_s",
          "under two heartbeats"),
     ],

@@ -157,3 +157,21 @@ def test_waiting_agents_read_the_state_every_poll_interval(monkeypatch):
     finally:
         monkeypatch.undo()
         handler.shutdown()
+
+
+def test_a_min_max_round_waits_the_configured_last_call_for_more_hosts():
+    """`fault.rendezvous_last_call_s` is the handler's last call in a MIN:MAX job (the wait for more hosts
+    once MIN are in; after an eviction with no spare, the survivors' wait); MIN = MAX never waits."""
+    from megascale.config import FaultConfig
+    from megascale.fault.driver import rendezvous_configs
+
+    three = FaultConfig(rendezvous_last_call_s=3)
+    for fault, nodes, want in [(FaultConfig(), (1, 2), 10.0), (three, (1, 2), 3.0), (three, (2, 2), 2.0)]:
+        configs = rendezvous_configs(*nodes, fault)
+        handler = rendezvous.create_handler(RendezvousParameters(
+            backend=rendezvous.BACKEND, endpoint="127.0.0.1:0", run_id=f"last-call-{want}",
+            min_nodes=nodes[0], max_nodes=nodes[1], local_addr="127.0.0.1", **configs))
+        try:
+            assert handler._settings.timeout.last_call == datetime.timedelta(seconds=want)
+        finally:
+            handler.shutdown()

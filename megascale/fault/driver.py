@@ -399,6 +399,19 @@ def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, be
         api.LocalElasticAgent = original
 
 
+def rendezvous_configs(min_nodes: int, max_nodes: int, fault: FaultConfig) -> dict:
+    """The rendezvous handler's settings (elastic's rdzv_configs) for a job of MIN:MAX hosts."""
+    # last call: once MIN hosts are in, how long a round waits for more (a MIN:MAX job's hosts start with
+    # some skew, and a round closed early would run smaller than it could); with MIN = MAX a round
+    # closes as the last host joins, and this never runs
+    last_call = 2 if min_nodes == max_nodes else fault.rendezvous_last_call_s
+    rdzv = {"join_timeout": JOIN_TIMEOUT_S, "last_call_timeout": last_call, "close_timeout": 10,
+            "poll_interval": fault.rendezvous_poll_s}
+    if max_nodes > 1:  # a dead host leaves the rendezvous after 3 missed 1 s keep-alives, not 15 s
+        rdzv |= {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "read_timeout": STORE_READ_TIMEOUT_S}
+    return rdzv
+
+
 def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, train_argv: list[str],
            fault: FaultConfig, local_addr: str | None = None, run_dir: str = "runs/default") -> int:
     """Run `megascale train <train_argv>` as this host's part of the job; the job's exit code."""
@@ -412,18 +425,13 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
     if nproc_per_node < 1:
         raise UserError(f"--nproc-per-node: must be >= 1, got {nproc_per_node}")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
-    # last call: once MIN hosts are in, how long a round waits for more (a MIN:MAX job's hosts start with
-    # some skew, and a round closed early would run smaller than it could)
-    last_call = 2 if min_nodes == max_nodes else 10
-    rdzv = {"join_timeout": JOIN_TIMEOUT_S, "last_call_timeout": last_call, "close_timeout": 10,
-            "poll_interval": fault.rendezvous_poll_s}
+    rdzv = rendezvous_configs(min_nodes, max_nodes, fault)
     if max_nodes > 1:
         # Elastic shares the rendezvous TCPStore with the workers and publishes its address once, in the
         # first round: a host that joins a later round (a machine restarted after a crash) then waits
         # for keys that the round's rank 0 never writes again, and the job deadlocks. Per-round stores
-        # fix it; and a dead host leaves the rendezvous after 3 missed 1 s keep-alives, not 15 s.
+        # fix it.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        rdzv |= {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "read_timeout": STORE_READ_TIMEOUT_S}
     config_args = dict(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc_per_node, run_id=run_id,
                        max_restarts=fault.max_restarts, monitor_interval=fault.monitor_interval_s,
                        local_addr=local_addr, rdzv_configs=rdzv)
