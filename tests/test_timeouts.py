@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +48,51 @@ def test_a_stuck_training_collective_fails_at_its_timeout_with_a_dump(tmp_path):
     assert dump.exists(), r.stderr[-3000:]
     rec = json.loads(dump.read_text())
     assert "collective failed" in rec["reason"] and rec["record"]["current"] is not None
+
+
+def _child(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)  # as elastic starts one
+
+
+def _ended(p: subprocess.Popen) -> None:
+    """Until p has exited, its exit status left for its reaper (elastic's, in the launcher)."""
+    while os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        time.sleep(0.02)
+
+
+def test_a_failed_workers_stopped_peer_is_killed_not_waited_for():
+    """`megascale train --nproc`: when a worker fails, its peers are SIGKILLed at once. Elastic's own
+    SIGTERM and 30 s grace is lost on a peer that is stopped or stuck in a collective with the dead (that
+    grace was 30 of the stuck-collective test's 44 s). A worker that ended as asked (a user error, a stop
+    by SIGTERM after its save) leaves its peers to end by themselves."""
+    from megascale.distributed.launch import ORDERLY, kill_the_rest_after_a_failure
+
+    class Workers:  # elastic's process context, as far as the kill reads it
+        def __init__(self, *procs):
+            self.procs = procs
+
+        def pids(self) -> dict[int, int]:
+            return {i: p.pid for i, p in enumerate(self.procs)}
+
+    def failed(code: int) -> bool:
+        return code not in ORDERLY
+
+    for code in (2, 143):
+        done, peer = _child(f"raise SystemExit({code})"), _child("import time; time.sleep(60)")
+        try:
+            _ended(done)
+            assert kill_the_rest_after_a_failure(Workers(done, peer), failed) == 0
+            assert peer.poll() is None
+        finally:
+            peer.kill()
+            peer.wait()
+            done.wait()
+    crashed, stopped = _child("raise SystemExit(1)"), _child("import time; time.sleep(60)")
+    os.kill(stopped.pid, signal.SIGSTOP)
+    _ended(crashed)
+    assert kill_the_rest_after_a_failure(Workers(crashed, stopped), failed) == 1
+    assert stopped.wait(timeout=10) == -signal.SIGKILL
+    assert crashed.wait() == 1
 
 
 def test_a_dead_peer_is_dumped_without_waiting_for_a_diagnosis():

@@ -12,12 +12,73 @@ otherwise the largest worker exit code, with torch's failure report.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 import uuid
+from collections.abc import Callable, Iterator
 
 from megascale.errors import UserError
+
+# Exit codes of a worker that ended as asked: a user error every rank reports alike (2), a stop by
+# SIGINT or SIGTERM after the step and the save (130, 143). Its peers end the same way by themselves.
+ORDERLY = {0, 2, 128 + signal.SIGINT, 128 + signal.SIGTERM}
+
+
+def kill_the_rest_after_a_failure(pcontext, failed: Callable[[int], bool] = lambda code: code != 0) -> int:
+    """When a worker has failed, SIGKILL the others before elastic sees it; the number killed.
+
+    Elastic stops the rest with SIGTERM and waits up to 30 s: a worker stuck in a collective (its peer
+    gone, its link down) or stopped does not act on SIGTERM, and the job's end or restart waited the
+    whole grace. The state worth keeping is in host memory and storage already. A worker "failed" if
+    it died by a signal or `failed(exit code)`. The exits are only peeked at (WNOWAIT): elastic reaps
+    and reports them as before."""
+    if pcontext is None:  # no workers running
+        return 0
+    alive, failure = [], False
+    for pid in pcontext.pids().values():
+        try:
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already
+            continue
+        if ended is None:
+            alive.append(pid)
+        elif ended.si_code != os.CLD_EXITED or failed(ended.si_status):
+            failure = True
+    if not (failure and alive):
+        return 0
+    for pid in alive:  # each worker leads a session of its own (elastic starts it so)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    return len(alive)
+
+
+@contextlib.contextmanager
+def elastic_agent(cls) -> Iterator[None]:
+    """elastic_launch builds a LocalElasticAgent by name; for the calls inside, it builds `cls`."""
+    from torch.distributed.launcher import api
+
+    original = api.LocalElasticAgent
+    api.LocalElasticAgent = cls
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = original
+
+
+def _local_agent_class():
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class LocalAgent(LocalElasticAgent):
+        """torchrun's agent, except that a failed worker's peers are killed at once, not after 30 s."""
+
+        def _monitor_workers(self, worker_group):
+            kill_the_rest_after_a_failure(getattr(self, "_pcontext", None), lambda c: c not in ORDERLY)
+            return super()._monitor_workers(worker_group)
+
+    return LocalAgent
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:
@@ -40,7 +101,8 @@ def launch_local(nproc: int, argv: list[str]) -> int:
     # itself, a signal by the exit code, and any other failure by the report printed below.
     logging.disable(logging.ERROR)
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "megascale", *argv)
+        with elastic_agent(_local_agent_class()):
+            elastic_launch(config, entrypoint=sys.executable)("-m", "megascale", *argv)
     except ChildFailedError as e:
         by_rank = {rank: f.exitcode for rank, f in e.failures.items()}
         codes = set(by_rank.values())

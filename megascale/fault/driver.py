@@ -36,7 +36,6 @@ restarted job runs clean, as after a real fault.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
 import os
@@ -49,6 +48,7 @@ from contextlib import contextmanager
 
 from megascale.config import FaultConfig
 from megascale.distributed import prefork
+from megascale.distributed.launch import elastic_agent, kill_the_rest_after_a_failure
 from megascale.errors import UserError
 from megascale.fault import blocklist, rendezvous
 
@@ -190,30 +190,11 @@ def make_agent_class():
             return result
 
         def _kill_the_rest_after_a_failure(self) -> None:
-            """When a worker has failed, SIGKILL the others before elastic sees it. Elastic stops them with
-            SIGTERM and waits up to 30 s, inside the monitor tick: a worker stuck in a collective (its
-            peer's link down) does not act on SIGTERM, and the restart waited the whole grace (27 s in a
-            link-fault soak). The state worth keeping is in host memory and storage already. The exits
-            are only peeked at (WNOWAIT): elastic reaps and reports them as before."""
-            pcontext = getattr(self, "_pcontext", None)  # the running workers' processes (elastic's)
-            if pcontext is None:
-                return
-            pids, failed = list(pcontext.pids().values()), False
-            alive = []
-            for pid in pids:
-                try:
-                    ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-                except ChildProcessError:  # reaped already
-                    continue
-                if ended is None:
-                    alive.append(pid)
-                elif ended.si_code != os.CLD_EXITED or ended.si_status != 0:
-                    failed = True
-            if failed and alive:
-                _say(f"a worker failed: stopping the other {len(alive)} with SIGKILL")
-                for pid in alive:  # each worker leads a session of its own (elastic starts it so)
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pid, signal.SIGKILL)
+            """A failed worker's peers are SIGKILLed before elastic sees the failure (it would SIGTERM
+            them and wait up to 30 s inside the monitor tick: 27 s of a link-fault restart once)."""
+            killed = kill_the_rest_after_a_failure(getattr(self, "_pcontext", None))
+            if killed:
+                _say(f"a worker failed: stopping the other {killed} with SIGKILL")
 
         def _check_beats(self, worker_group) -> str | None:
             if self.beat_store is None:
@@ -386,17 +367,11 @@ def _beat_store():
 @contextmanager
 def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, beat_store):
     """elastic_launch builds a LocalElasticAgent by name; for this call it builds ours."""
-    from torch.distributed.launcher import api
-
     cls = make_agent_class()
     cls.fault, cls.multi_host, cls.host, cls.run_dir = fault, multi_host, host, run_dir
     cls.beat_store = beat_store
-    original = api.LocalElasticAgent
-    api.LocalElasticAgent = cls
-    try:
+    with elastic_agent(cls):
         yield cls
-    finally:
-        api.LocalElasticAgent = original
 
 
 def rendezvous_configs(min_nodes: int, max_nodes: int, fault: FaultConfig) -> dict:
