@@ -59,7 +59,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.nproc > 1:
             from megascale.distributed.launch import launch_local
 
-            return launch_local(args.nproc, _worker_argv(args))
+            return launch_local(args.nproc, _worker_argv(args), prefork_workers=cfg.fault.prefork_workers)
     else:
         check_world_size(cfg, launched, "the number of processes (WORLD_SIZE)")
     from megascale.distributed.init import shutdown_distributed

@@ -230,8 +230,9 @@ class FaultConfig:
     # a hang whose diagnosis (fault/hang.py) names ranks of one host only has that host evicted: the restart
     # goes on without it. Off: the job restarts with every host, the stuck one included
     evict_hung_hosts: bool = True
-    # workers are forked from a server that imported torch and megascale once (distributed/prefork.py):
-    # a restart skips the imports (about 4 s of 8 for 4 workers on 2 cores). Off: new interpreters
+    # workers (of `megascale launch` and `train --nproc`) are forked from a server that imported torch and
+    # megascale once (distributed/prefork.py): a start or restart skips the imports (about 4 s of 8 for 4
+    # workers on 2 cores). Off: new interpreters, as under torchrun
     prefork_workers: bool = True
 
 

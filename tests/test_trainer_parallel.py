@@ -202,9 +202,10 @@ def test_user_error_on_every_rank_prints_once(tmp_path):
 
 
 def test_sigterm_stops_every_rank_at_one_step_and_resumes(data, tmp_path):
-    """`megascale train --nproc 2` (dp2, float64), SIGTERM to the launcher: the agent forwards it, the
-    ranks agree on a step, save and exit 143; the same command resumes and finishes; the losses are
-    the single-process Trainer's."""
+    """`megascale train --nproc 2` (dp2, float64; the workers forked from the prefork server), SIGTERM to
+    the launcher: the agent forwards it (through the workers' stand-ins), the ranks agree on a step,
+    save and exit 143; the same command resumes and finishes; the losses are the single-process
+    Trainer's."""
     args = overrides(data, tmp_path / "sig", "gpt", "adamw", "fp64", "parallel.dp=2", "train.steps=400",
                      "optim.schedule=constant", "train.eval_interval=0")
     cmd = [sys.executable, "-m", "megascale", "train", "--nproc", "2", *args]
@@ -215,6 +216,13 @@ def test_sigterm_stops_every_rank_at_one_step_and_resumes(data, tmp_path):
     # three steps done (not three lines: the start-up, layout and peak records come before any step)
     while time.time() < deadline and (not log.exists() or log.read_text().count('"kind": "train"') < 3):
         time.sleep(0.2)
+    # the workers are forks of the prefork server (fault.prefork_workers), not new interpreters
+    traces = sorted((tmp_path / "sig" / "trace").glob("rank_*.jsonl"))
+    assert len(traces) == 2, traces
+    for trace in traces:
+        pid = json.loads(trace.read_text().splitlines()[0])["pid"]
+        parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        assert "prefork import serve" in Path(f"/proc/{parent}/cmdline").read_text(), trace
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
