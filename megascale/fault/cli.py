@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
+import os
+import sys
 
 from megascale.errors import UserError
 
@@ -96,6 +99,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         cfg.fault.max_restarts = args.max_restarts
     run_id = args.rdzv_id or "megascale-" + hashlib.sha1(
         f"{args.rdzv_endpoint}|{cfg.train.run_dir}".encode()).hexdigest()[:12]
-    return launch(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, run_id,
+    code = launch(args.nnodes, args.nproc_per_node, args.rdzv_endpoint, run_id,
                   ["--config", args.config, *args.overrides], cfg.fault, args.local_addr,
                   cfg.train.run_dir)
+    # No interpreter teardown: after a link fault a rendezvous call abandoned on the dead connection
+    # (fault/rendezvous.py) may still be blocked in TCPStore's C++ code on its daemon thread, and the
+    # teardown under it aborted the agent once ("terminate called without an active exception",
+    # exit -6, after a clean job). The job is over here: streams and log handlers are flushed first.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
