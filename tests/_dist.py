@@ -5,7 +5,9 @@ module starts its pool once (a module-scoped fixture) and every test sends it wo
 `pool.run(fn, *args)` calls fn(rank, *args) on every rank and returns the results in rank
 order. fn must be a module-level (picklable) function. If a rank raises, the pool is
 closed (the others may be stuck in a collective), the traceback is raised here, and the
-next `run` starts a fresh pool.
+next `run` starts a fresh pool. The pool's store is hosted here, on a port the OS picks and
+that stays bound for the pool's life: a port chosen, released and bound later by rank 0 can be
+taken in between by another test's job (EADDRINUSE, seen in CI).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import queue
-import socket
 import traceback
 
 import pytest
@@ -22,18 +23,13 @@ import torch
 TIMEOUT_S = 300
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # the machine has 2 cores for everyone
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         while (task := tasks.get()) is not None:
             fn, args = task
@@ -51,7 +47,11 @@ class WorkerPool:
         self._start()
 
     def _start(self) -> None:
-        ctx, world, port = mp.get_context("spawn"), self.world, _free_port()
+        import torch.distributed as dist
+
+        ctx, world = mp.get_context("spawn"), self.world
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        port = self._store.port
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.procs = [
@@ -91,6 +91,7 @@ class WorkerPool:
                 p.terminate()
                 p.join()
         self.procs = None
+        self._store = None
 
 
 # ---- fixtures shared by the multi-process test modules (import them by these names)

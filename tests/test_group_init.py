@@ -3,7 +3,8 @@ exactly what `megascale.distributed.traffic` generates for the scale benchmark.
 
 Eight real gloo processes start a job over a RecordingStore for each (mesh, mode), create the
 mesh's groups through the real code path, run a collective on every group, and return every
-store operation they performed.
+store operation they performed. The test process hosts the stores (on ports the OS picks), so no
+port is chosen, released and then taken by another test's job before a rank binds it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import collections
 import datetime
 import math
 import multiprocessing as mp
+import queue
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import _free_port
 
 from megascale.distributed.groups import create_groups
 from megascale.distributed.recording_store import RecordingStore
@@ -35,7 +37,7 @@ def _record(rank: int, ports: list[int], results: mp.Queue) -> None:
     out = []
     try:
         for ((dp, pp, tp), mode), port in zip(CASES, ports, strict=True):
-            inner = dist.TCPStore("127.0.0.1", port, WORLD, rank == 0,
+            inner = dist.TCPStore("127.0.0.1", port, WORLD, False,
                                   timeout=datetime.timedelta(seconds=120))
             store = RecordingStore(inner)
             with init_barrier(mode == "global"):
@@ -61,15 +63,36 @@ def _record(rank: int, ports: list[int], results: mp.Queue) -> None:
 def recorded():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    ports = [_free_port() for _ in CASES]
-    procs = [ctx.Process(target=_record, args=(r, ports, results), daemon=True) for r in range(WORLD)]
+    # held here, so the port stays bound from before any rank starts until every rank is done
+    servers = [dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False) for _ in CASES]
+    procs = [ctx.Process(target=_record, args=(r, [s.port for s in servers], results), daemon=True)
+             for r in range(WORLD)]
     for p in procs:
         p.start()
-    by_rank = dict(results.get(timeout=300) for _ in range(WORLD))
-    for p in procs:
-        p.join(30)
-    for r, out in by_rank.items():
-        assert not isinstance(out, str), f"rank {r}: {out}"
+    by_rank: dict[int, object] = {}
+    deadline = time.monotonic() + 300
+    try:
+        while len(by_rank) < WORLD:
+            try:
+                rank, out = results.get(timeout=1)
+            except queue.Empty:
+                # a rank that died without a word (killed, or crashed in C++) fails the test now
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                assert not dead, f"ranks died (rank, exit code): {dead}"
+                silent = set(range(WORLD)) - set(by_rank)
+                assert time.monotonic() < deadline, f"no answer in 300 s from ranks {silent}"
+                continue
+            # one rank's error is the cause; the others would only time out behind it
+            assert not isinstance(out, str), f"rank {rank}: {out}"
+            by_rank[rank] = out
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        del servers
     return by_rank
 
 
