@@ -22,6 +22,17 @@ slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
     sudo .venv/bin/python benchmarks/overlap.py [--dims dp pp tp all] [--mbit 1000] [--rounds 3] [--ablation]
 
+`--ablation` adds MegaScale's table (its rows cumulative on dp2 x pp2 x tp2, 8 hosts) with the
+planner's step time per row twice. Both use the links' tbf rate and veth's latency. "planner" adds what
+a message costs the host's CPU (gloo's copies, the kernel's TCP work), fitted here on 2-rank
+all-gathers of three sizes, all pairs at once, from the machine's busy time: 8 ranks share 2 cores,
+so that CPU competes with the compute, and perf/step.py bounds the step by the sum (`cpu_bound`).
+"nominal" leaves it out, as a GPU cluster's NICs and copy engines do. The table also gives each row's
+machine CPU-seconds per step and how busy the cores were, and then each row's step split by cause
+(compute, tp, pp, dp, other; the planner's "cpu" column is its CPU bound's excess over its timeline)
+as the timers measured it and as the planner has it. `--dims` with no dimension runs the ablation
+alone.
+
 Needs root (namespaces, tc); where they cannot be made it says why and exits 0.
 """
 
@@ -196,9 +207,12 @@ def ablation_rows(a: argparse.Namespace, base: str) -> list[tuple[str, list[str]
     return rows
 
 
-def predicted_steps(a: argparse.Namespace, world: int) -> list[float]:
+def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = None) -> list:
     """The planner's step time for each ablation row, on this machine's calibrated CPU preset made into
-    the simulated cluster: every link the tbf rate, and the ranks sharing this machine's cores."""
+    the simulated cluster: the ranks sharing this machine's cores, every link the tbf rate with veth's
+    latency and, given `measured` (measure_link), the host CPU its messages cost as fitted on the
+    cluster (without it a message costs no CPU, as on a GPU cluster). One perf.step.Prediction per row,
+    with its breakdown."""
     import dataclasses
 
     import torch
@@ -215,6 +229,9 @@ def predicted_steps(a: argparse.Namespace, world: int) -> list[float]:
         calibrate(load_preset("cpu", use_calibration=False))
         cpu = load_preset("cpu")
     link = Link(bandwidth=a.mbit * 1e6 / 8, efficiency=0.95, latency_s=150e-6)  # tbf rate; veth + bridge
+    if measured is not None:  # the fit is of a 2-rank all-gather's CPU, both ends: half per rank
+        link = dataclasses.replace(link, cpu_s_per_message=max(0.0, measured["cpu_s_per_message"]) / 2,
+                                   cpu_s_per_byte=max(0.0, measured["cpu_s_per_byte"]) / 2)
     # shared_compute gives each rank 1/devices_per_node of one calibrated core: the ranks per core here
     per_core = max(1, -(-world // (os.cpu_count() or 1)))
     sim = dataclasses.replace(cpu, name="cpu-simcluster", devices_per_node=per_core, intra=link, inter=link)
@@ -227,8 +244,73 @@ def predicted_steps(a: argparse.Namespace, world: int) -> list[float]:
                             pp_overlap=p.pp_overlap, dp_overlap=p.dp_overlap_grad_reduce)
         lay = Layout(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, micro_batch=cfg.train.micro_batch,
                      sequence_parallel=p.sequence_parallel)
-        out.append(predict(m, lay, sim, settings, cfg.train.global_batch, policy="fp32").step_time)
+        out.append(predict(m, lay, sim, settings, cfg.train.global_batch, policy="fp32", explain=True))
     return out
+
+
+# Message sizes (bytes of the whole tensor) the link is fitted on, around the ablation's tp messages
+# (micro-batch x seq x d_model floats: 256 KiB at the defaults); a 2-rank all-gather moves half of each
+LINK_SIZES = (1 << 16, 1 << 18, 1 << 20)
+
+
+def measure_link(pairs: list[list[int]], repeats: int = 40) -> dict:
+    """The alpha-beta of the cluster's links as collectives see them, every pair at once (as the tp
+    pairs of a dp2 x pp2 x tp2 step communicate), and the host CPU they cost: least-squares lines
+    through the time of a 2-rank all-gather of S bytes, t(S) = alpha + S / 2 / bandwidth, and through
+    the machine's busy CPU-seconds per all-gather of one pair (both ends; the kernel's softirq work for
+    veth and tbf included), at the LINK_SIZES. Every rank calls it (groups are made collectively)."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    groups = [dist.new_group(p) for p in pairs]
+    group = next(g for g, p in zip(groups, pairs, strict=True) if rank in p)
+    def loop(size: int) -> tuple[float, float]:
+        """(seconds of one all-gather, the machine's CPU-seconds per all-gather of one pair): back to
+        back, as a step's collectives come, between two barriers."""
+        out, mine = torch.empty(size // 4), torch.ones(size // 8)
+        dist.all_gather_into_tensor(out, mine, group=group)  # connections made, buffers touched
+        dist.barrier()
+        busy0, t0 = machine_busy_s(), time.perf_counter()
+        for _ in range(repeats):
+            dist.all_gather_into_tensor(out, mine, group=group)
+        dist.barrier()
+        wall, busy = time.perf_counter() - t0, machine_busy_s() - busy0
+        return wall / repeats, busy / repeats / len(pairs)
+
+    times, cpu = [], []
+    for size in LINK_SIZES:
+        t, c = loop(size)
+        times.append(t)
+        cpu.append(c)
+    slope, alpha = statistics.linear_regression([s / 2 for s in LINK_SIZES], times)
+    cpu_slope, cpu_alpha = statistics.linear_regression([s / 2 for s in LINK_SIZES], cpu)
+    return {"latency_s": max(0.0, alpha), "bandwidth": 1 / max(slope, 1e-12), "times": times,
+            "cpu_s_per_message": cpu_alpha, "cpu_s_per_byte": cpu_slope, "cpu_s": cpu}
+
+
+def machine_busy_s() -> float:
+    """CPU-seconds this machine has been busy since boot, all cores, kernel work (softirq: the veth and
+    tbf traffic) included; /proc/stat is not namespaced, so every simulated host reads the same."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def measured_parts(run_dir: str) -> dict[str, float]:
+    """Where the slowest rank's median step went, from the run's timers, in the planner's terms."""
+    from megascale.observe.breakdown import step_breakdown
+    from megascale.observe.trace import read_run
+
+    row = step_breakdown(read_run(run_dir))["median"]["slowest"]
+    return {"compute": row["compute"], "tp": row["exposed_tp"], "pp": row["exposed_pp"] + row["bubble"],
+            "dp": row["exposed_dp"], "other": row["data"] + row["checkpoint"] + row["other"]}
+
+
+def planned_parts(prediction) -> dict[str, float]:
+    b = prediction.breakdown
+    return {"compute": b.compute + b.optimizer, "tp": b.tp_exposed, "pp": b.pp_exposed + b.bubble,
+            "dp": b.dp_exposed, "other": b.other_exposed, "cpu": b.cpu_contention}
 
 
 def ablation_worker(a: argparse.Namespace) -> None:
@@ -243,13 +325,19 @@ def ablation_worker(a: argparse.Namespace) -> None:
     rows = []
     for name, args in ablation_rows(a, a.base):
         trainer = Trainer(load_config(None, args), quiet=True)
-        stats = [trainer.train_step() for _ in range(a.warmup + a.steps)][a.warmup:]
+        for _ in range(a.warmup):
+            trainer.train_step()
+        busy0, t0 = machine_busy_s(), time.monotonic()
+        stats = [trainer.train_step() for _ in range(a.steps)]
+        busy, wall = machine_busy_s() - busy0, time.monotonic() - t0
         trainer.close()
         rows.append({"row": name, "step_s": statistics.median(x.step_time for x in stats),
                      "tokens_per_s": statistics.median(x.tokens_per_s for x in stats),
-                     "mfu": statistics.median(x.mfu for x in stats)})
+                     "mfu": statistics.median(x.mfu for x in stats),
+                     "cpu_s": busy / a.steps, "busy": busy / (wall * (os.cpu_count() or 1))})
+    link = measure_link([[r, r + 1] for r in range(0, 8, 2)])  # the layout's tp pairs (adjacent ranks)
     if int(os.environ["RANK"]) == 0:
-        print("RESULT " + json.dumps(rows), flush=True)
+        print("RESULT " + json.dumps({"rows": rows, "link": link}), flush=True)
     shutdown_distributed()
 
 
@@ -340,7 +428,8 @@ def report(dim: str, r: dict) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dims", nargs="+", default=list(DIMS), choices=list(DIMS))
+    p.add_argument("--dims", nargs="*", default=list(DIMS), choices=list(DIMS),
+                   help="the dimensions to measure (none: only --ablation)")
     p.add_argument("--mbit", type=float, default=1000.0, help="each host's link, tc tbf")
     p.add_argument("--steps", type=int, default=4, help="measured steps per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the variants, alternating")
@@ -398,15 +487,33 @@ def main() -> int:
         if a.ablation:
             print(f"\nablation, dp2 x pp2 x tp2 (sequence parallel), global batch {a.batch} (the last row "
                   f"{4 * a.batch}), MFU against the probed matmul peak of one core per rank")
-            rows = run_dim(cluster, a, "ablation", 29499)
-            # the planner: the CPU preset as calibrated here (`megascale plan --calibrate --cluster cpu`)
-            predicted = predicted_steps(a, 8)
+            result = run_dim(cluster, a, "ablation", 29499)
+            rows, link = result["rows"], result["link"]
+            # the planner: the CPU preset as calibrated here (`megascale plan --calibrate --cluster cpu`),
+            # its links at the tbf rate (nominal) and as fitted on the cluster (measured)
+            nominal = [x.step_time for x in predicted_steps(a, 8)]
+            planned = predicted_steps(a, 8, link)
+            print(f"links as measured (2-rank all-gathers, 4 pairs at once): "
+                  f"{link['latency_s'] * 1e6:.0f} us per message, {link['bandwidth'] * 8 / 1e6:.0f} Mbit/s "
+                  f"(the tbf rate {a.mbit:.0f}); the machine's CPU per all-gather "
+                  f"{link['cpu_s_per_message'] * 1e6:.0f} us + {link['cpu_s_per_byte'] * 1e9:.2f} ns/byte "
+                  f"({', '.join(f'{c * 1e3:.2f}' for c in link['cpu_s'])} ms at {LINK_SIZES} bytes)")
             print(f"{'':18} {'step s':>7} {'tokens/s':>9} {'vs base':>7} {'MFU':>6} {'planner s':>9} "
-                  f"{'error':>7}")
-            for r, want in zip(rows, predicted, strict=True):
+                  f"{'error':>7} {'nominal':>8} {'error':>7} {'CPU s':>6} {'busy':>5}")
+            for r, want, nom in zip(rows, planned, nominal, strict=True):
+                want = want.step_time
                 print(f"{r['row']:18} {r['step_s']:7.3f} {r['tokens_per_s']:9.0f} "
                       f"{r['tokens_per_s'] / rows[0]['tokens_per_s']:7.2f} {r['mfu']:6.2%} {want:9.3f} "
-                      f"{want / r['step_s'] - 1:+7.1%}", flush=True)
+                      f"{want / r['step_s'] - 1:+7.1%} {nom:8.3f} {nom / r['step_s'] - 1:+7.1%} "
+                      f"{r['cpu_s']:6.2f} {r['busy']:5.0%}", flush=True)
+            # where the planner's error lies: each row's step split by cause, the timers' against its own
+            parts = ("compute", "tp", "pp", "dp", "other")
+            print("\nwhere the step goes, s (slowest rank, from the timers / the planner; pp = exposed p2p "
+                  f"+ bubble)\n{'':18} " + " ".join(f"{k:>13}" for k in parts) + f" {'planner cpu':>11}")
+            for i, (r, plan) in enumerate(zip(rows, planned, strict=True)):
+                got, want = measured_parts(str(Path(base) / f"ablation-{i}")), planned_parts(plan)
+                cells = " ".join(f"{got[k]:.3f}/{want[k]:.3f}".rjust(13) for k in parts)
+                print(f"{r['row']:18} {cells} {want['cpu']:11.3f}", flush=True)
     return 0
 
 

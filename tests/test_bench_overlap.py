@@ -26,8 +26,15 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
         times = r"  ".join(rf"{t} +[\d.]+" for t in ("T_serial", "T_overlap", "T_nocomm", "T_comm"))
         assert re.search(rf"^ *{dim}  {times} s +H ", r.stdout, re.M), r.stdout
     assert "exposed dp" in r.stdout and "pp wait" in r.stdout
-    measured_and_planned = r" +[\d.]+ +\d+ +[\d.]+ +[\d.]+% +[\d.]+ +[+-][\d.]+%$"
+    assert re.search(r"^links as measured .*: \d+ us per message, \d+ Mbit/s", r.stdout, re.M), r.stdout
+    # measured, then the planner with the links' CPU cost and without, each with its error
+    measured_and_planned = (r" +[\d.]+ +\d+ +[\d.]+ +[\d.]+% +[\d.]+ +[+-][\d.]+% +[\d.]+ +[+-][\d.]+%"
+                            r" +[\d.]+ +\d+%$")  # ..., then the machine's CPU-seconds per step and busy
     rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + measured_and_planned, r.stdout, re.M)
     assert rows == ["baseline", "+ parallel block", "+ sliding window", "+ TP overlap", "+ PP overlap",
                     "+ DP overlap", "+ LAMB, 4x batch"], r.stdout
+    # each row's step by cause, measured / planned
+    split = r" +[\d.]+/[\d.]+" * 5 + r" +-?[\d.]+$"
+    rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + split, r.stdout, re.M)
+    assert len(rows) == 7 and rows[0] == "baseline", r.stdout
     assert set(netns.namespaces()) <= before  # torn down

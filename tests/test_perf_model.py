@@ -192,3 +192,52 @@ def test_builtin_presets_load_and_user_files_are_checked(tmp_path):
         load_preset(str(mine))
     with pytest.raises(UserError):
         load_preset("no-such-cluster")
+
+
+def test_a_preset_links_cpu_cost_is_read_and_checked(tmp_path):
+    a100 = load_preset("a100", use_calibration=False)
+    assert a100.intra.cpu_link is None  # GPU links cost the host nothing
+    text = open(a100.source).read()
+    mine = tmp_path / "mine.toml"
+    assert "bandwidth = 300e9\n" in text  # [links.intra]
+    mine.write_text(text.replace("bandwidth = 300e9\n", "bandwidth = 300e9\ncpu_s_per_message = 2e-3\n"))
+    link = load_preset(str(mine), use_calibration=False).intra
+    assert link.cpu_s_per_message == 2e-3 and link.cpu_link.latency_s == 2e-3
+    mine.write_text(text.replace("bandwidth = 300e9\n", "bandwidth = 300e9\ncpu_s_per_byte = -1\n"))
+    with pytest.raises(UserError, match=r"\[links.intra\]: cpu_s_per_byte must be a number >= 0"):
+        load_preset(str(mine), use_calibration=False)
+
+
+# ---- the CPU a shared node's ranks need (perf/step.py cpu_bound) ------------------------------
+
+
+def _shared_node(cpu_s_per_message: float, cpu_s_per_byte: float, shared: bool = True):
+    link = Link(bandwidth=1e9, latency_s=1e-4, cpu_s_per_message=cpu_s_per_message,
+                cpu_s_per_byte=cpu_s_per_byte)
+    cpu = load_preset("cpu", use_calibration=False)
+    return dataclasses.replace(cpu, devices_per_node=2, intra=link, inter=link, shared_compute=shared)
+
+
+def test_ranks_sharing_cores_are_bounded_by_their_compute_and_messages_cpu():
+    from megascale.perf.step import MEGATRON, Layout, predict
+
+    cfg, lay, batch = small(), Layout(tp=2, micro_batch=2), 8
+    free = predict(cfg, lay, _shared_node(0, 0), MEGATRON, global_batch=batch, explain=True)
+    assert free.breakdown.cpu_contention == 0  # links that cost no CPU: the timeline alone
+    busy = predict(cfg, lay, _shared_node(1e-3, 1e-9), MEGATRON, global_batch=batch, explain=True)
+    # by hand (the sequential block): each of the 2 ranks' compute at the whole node's speed plus
+    # its collectives' CPU (per layer and micro-batch 4 all-gathers / reduce-scatters of a full
+    # activation, forward and backward: 8 ring steps of one message and half the bytes; one 8-byte
+    # all-reduce, 2 steps, for the grad norm)
+    act = 2 * cfg.seq_len * cfg.d_model * 4
+    per_layer = 8 * (1e-3 + act / 2 * 1e-9)
+    comm = per_layer * cfg.n_layers * free.micro_batches + 2 * (1e-3 + 8 / 2 * 1e-9)
+    compute = (free.breakdown.compute + free.breakdown.optimizer) / 2  # the timeline gives each half
+    assert busy.step_time == pytest.approx(2 * (compute + comm))
+    assert busy.breakdown.cpu_contention == pytest.approx(busy.step_time - free.step_time)
+    from megascale.perf.report import explain
+    assert "cpu contention" in explain(busy) and "cpu contention" not in explain(free)  # plan --explain
+    # a cluster whose ranks do not share cores (GPUs) never pays it
+    gpu_like = predict(cfg, lay, _shared_node(1e-3, 1e-9, shared=False), global_batch=batch)
+    no_cost = predict(cfg, lay, _shared_node(0, 0, shared=False), global_batch=batch)
+    assert gpu_like.step_time == pytest.approx(no_cost.step_time)

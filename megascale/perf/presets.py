@@ -33,6 +33,19 @@ class Link:
     bandwidth: float  # bytes/s per device per direction
     efficiency: float = 1.0  # fraction of `bandwidth` that collectives reach on large messages
     latency_s: float = 0.0
+    # Host CPU a rank spends per message and per byte it sends (gloo's copies, the kernel's TCP work).
+    # 0 on GPU clusters, where NICs and copy engines move data; on a shared_compute preset it competes
+    # with the ranks' compute for the node's cores (perf/step.py bounds the step by the sum).
+    cpu_s_per_message: float = 0.0
+    cpu_s_per_byte: float = 0.0
+
+    @property
+    def cpu_link(self) -> Link | None:
+        """The host CPU time of a collective over this link, as a link: `collectives` then gives a
+        rank's CPU seconds instead of wall seconds (alpha per message, beta per byte sent)."""
+        if not (self.cpu_s_per_message or self.cpu_s_per_byte):
+            return None
+        return Link(bandwidth=1.0 / max(self.cpu_s_per_byte, 1e-30), latency_s=self.cpu_s_per_message)
 
     @property
     def effective_bw(self) -> float:
@@ -149,7 +162,16 @@ def _link(raw: dict[str, Any], which: str, where: str) -> Link:
         bandwidth=_num(sect, "bandwidth", f"{where} [links.{which}]"),
         efficiency=float(sect.get("efficiency", 1.0)),
         latency_s=float(sect.get("latency_s", 0.0)),
+        cpu_s_per_message=_at_least_0(sect, "cpu_s_per_message", f"{where} [links.{which}]"),
+        cpu_s_per_byte=_at_least_0(sect, "cpu_s_per_byte", f"{where} [links.{which}]"),
     )
+
+
+def _at_least_0(raw: dict[str, Any], key: str, where: str) -> float:
+    value = raw.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise UserError(f"cluster preset {where}: {key} must be a number >= 0, got {value!r}")
+    return float(value)
 
 
 def _from_dict(raw: dict[str, Any], where: str) -> ClusterPreset:

@@ -51,6 +51,8 @@ def explain(p: Prediction) -> str:
         ("optimizer step", b.optimizer),
         ("embedding-gradient sync, grad-norm all-reduce", b.other_exposed),
     ]
+    if b.cpu_contention:  # shared cores: the ranks' CPU work (compute + messages) outlasts the timeline
+        rows.append(("cpu contention (shared cores: compute + messages)", b.cpu_contention))
     s = p.settings
     out = [
         f"layout {p.layout.label()}  ({p.settings.name}: parallel block={s.parallel_block}, "

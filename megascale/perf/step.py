@@ -19,7 +19,7 @@ from megascale.errors import UserError
 from megascale.perf import collectives, compute, memory, pipeline
 from megascale.perf.flops import model_flops_per_token
 from megascale.perf.gemm import DeviceModel
-from megascale.perf.presets import ClusterPreset
+from megascale.perf.presets import ClusterPreset, Link
 
 # A fused Adam/LAMB kernel reads weight, gradient and two moments and writes weight and moments
 # (7 x 4 bytes), plus the bf16 copy of the weights and the grad-norm read: ~32 bytes per parameter.
@@ -73,6 +73,9 @@ class Breakdown:
     dp_exposed: float = 0.0
     optimizer: float = 0.0
     other_exposed: float = 0.0  # tied-embedding gradient sync, grad-norm all-reduce
+    # shared_compute only: how much longer the node's cores take for all its ranks' CPU work
+    # (compute and communication) than the timeline, which gives every rank its share of them
+    cpu_contention: float = 0.0
 
 
 @dataclass
@@ -207,7 +210,8 @@ def predict(
     policy = policy or ("fp32" if preset.dtype in ("fp32", "fp64") else "megatron")
     parts = _parts(cfg, lay, preset, settings, m, policy)
     tl = pipeline.simulate(parts.spec)
-    step = tl.makespan + parts.optimizer + parts.other
+    timeline = tl.makespan + parts.optimizer + parts.other
+    step = max(timeline, cpu_bound(cfg, lay, preset, settings, m, policy, parts, tl))
     tokens = global_batch * cfg.seq_len
     mfu = model_flops_per_token(cfg) * tokens / (step * lay.world * preset.peak_flops)
 
@@ -221,8 +225,30 @@ def predict(
     pred = Prediction(lay, settings, global_batch, m, step, tokens / step, mfu, mem, fits,
                       comm_total=parts.comm_total)  # fmt: skip
     if explain:
-        pred.breakdown = _breakdown(parts, tl, step)
+        pred.breakdown = _breakdown(parts, tl, timeline)
+        pred.breakdown.cpu_contention = step - timeline
     return pred
+
+
+def cpu_bound(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m: int, policy: str,
+              parts: _Parts, tl: pipeline.Timeline) -> float:
+    """The step time the node's cores allow when its ranks share them (`shared_compute`) and their
+    links cost host CPU (`Link.cpu_s_per_message`, `cpu_s_per_byte`); 0 otherwise.
+
+    The timeline gives each rank 1/k of the node and charges nothing for moving data, but gloo's
+    copies and the kernel's TCP work run on the same cores, and a collective's wait for a peer that
+    is not scheduled is that peer's CPU work. So the step is at least the sum over the node's k
+    ranks of each one's CPU seconds: its compute at the whole node's speed plus its messages'."""
+    if not preset.shared_compute or not (preset.intra.cpu_link or preset.inter.cpu_link):
+        return 0.0
+    free = Link(bandwidth=float("inf"))
+    as_cpu = dataclasses.replace(preset, intra=preset.intra.cpu_link or free,
+                                 inter=preset.inter.cpu_link or free)
+    cpu = _parts(cfg, lay, as_cpu, st, m, policy)  # its "times" of collectives are CPU seconds
+    comm = sum(cpu.comm_total.values()) + cpu.other
+    k = min(lay.world, preset.devices_per_node)
+    compute = max(tl.busy) - parts.per_stage_tp_exposed * m + parts.optimizer  # at a 1/k share
+    return k * (compute * preset.device_share(k) + comm)
 
 
 def _breakdown(parts: _Parts, full: pipeline.Timeline, step: float) -> Breakdown:
