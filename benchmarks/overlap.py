@@ -16,7 +16,11 @@ Domino's method (Wang et al. 2024):
 and, from the always-on timers (observe/breakdown.py), the communication each dimension left
 exposed per step, and the compute time (for tp: what splitting the GEMMs into chunks costs).
 Step times are medians of Trainer.train_step's time over the steps of alternating rounds of the
-variants, exposed communication the slowest rank's per step, all measured in one run. Goals of
+variants, exposed communication the slowest rank's per step, all measured in one run. H comes with
+a 90% bootstrap interval over the rounds: on 2 shared cores one step moves by 10% and more, and
+H is a ratio of two differences of such medians, so a single figure says little without it.
+`--tail-buckets 1` and `--gloo-reduce-scatter` turn off the two dp refinements (parallel.dp_tail_buckets,
+parallel.dp_direct_reduce_scatter) to see what they buy. Goals of
 issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
 slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -87,7 +92,9 @@ def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> li
         f"train.micro_batch={micro}", "train.steps=1000",
         "train.eval_interval=0", "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0",
         "log.peak_flops=1e9", "checkpoint.interval=0", "checkpoint.memory_interval=0",
-        f"parallel.dp_bucket_size={a.bucket}", f"parallel.tp_overlap_chunks={a.tp_chunks}",
+        f"parallel.dp_bucket_size={a.bucket}", f"parallel.dp_tail_buckets={a.tail_buckets}",
+        f"parallel.dp_direct_reduce_scatter={str(not a.gloo_reduce_scatter).lower()}",
+        f"parallel.tp_overlap_chunks={a.tp_chunks}",
         f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
         f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}",
         f"train.run_dir={json.dumps(run_dir)}", *layout, *[f"parallel.{f}={str(on).lower()}" for f in flags],
@@ -355,6 +362,7 @@ def worker(a: argparse.Namespace) -> None:
     dim, rank = a.worker, int(os.environ["RANK"])
     wrapper, rows, times = Collectives(set()), {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
     steady = {v: [] for v in VARIANTS}
+    by_round: dict[str, dict[int, list[float]]] = {v: {} for v in VARIANTS}
     # The variants alternate, round after round, so the machine's drift (2 shared cores) falls on all
     # of them alike; each variant's figure is the median over the steps of all its rounds.
     for rnd in range(a.rounds):
@@ -369,6 +377,7 @@ def worker(a: argparse.Namespace) -> None:
                 stats = trainer.train_step()
                 if step >= a.warmup:
                     times[variant].append(stats.step_time)
+                    by_round[variant].setdefault(rnd, []).append(stats.step_time)
             wrapper.mode = "pass"
             trainer.close()
             traces = read_run(run_dir)
@@ -382,6 +391,7 @@ def worker(a: argparse.Namespace) -> None:
         out[v]["step"] = statistics.median(times[v])
         out[v]["steady_p2p"] = statistics.median(steady[v])
     out["comm"] = statistics.median(wrapper.replay() for _ in range(3))
+    out["rounds"] = {v: [ts for _, ts in sorted(by_round[v].items())] for v in VARIANTS}  # step times
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     shutdown_distributed()  # gloo's threads joined before exit, as `megascale train` does
@@ -409,10 +419,36 @@ def run_dim(cluster, a: argparse.Namespace, dim: str, port: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+def hidden_fraction(serial: float, over: float, nocomm: float) -> float:
+    """H: the share of the exposed communication (serial - nocomm) that the overlap hid."""
+    exposed = serial - nocomm
+    return (serial - over) / exposed if exposed > 0 else float("nan")
+
+
+def hidden_interval(rounds: dict[str, list[list[float]]], resamples: int = 1000) -> tuple[float, float]:
+    """A 90% bootstrap interval of H over the rounds (nan, nan with one round).
+
+    Rounds are resampled whole, with their steps, so the interval holds the machine's drift between
+    rounds as well as each step's noise (2 shared cores move one step by 10% and more); each resample's
+    H is taken from the medians of its pooled steps, as the reported H is.
+    """
+    n = len(rounds["serial"])
+    if n < 2:
+        return float("nan"), float("nan")
+    rng, hs = random.Random(0), []
+    for _ in range(resamples):
+        picks = [rng.randrange(n) for _ in range(n)]
+        med = [statistics.median(t for i in picks for t in rounds[v][i]) for v in VARIANTS]
+        hs.append(hidden_fraction(*med))
+    hs = sorted(h for h in hs if h == h)
+    if not hs:
+        return float("nan"), float("nan")
+    return hs[int(0.05 * len(hs))], hs[int(0.95 * len(hs)) - 1]
+
+
 def report(dim: str, r: dict) -> str:
     serial, over, nocomm = (r[v]["step"] for v in VARIANTS)
-    exposed = serial - nocomm
-    hidden = (serial - over) / exposed if exposed > 0 else float("nan")
+    hidden = hidden_fraction(serial, over, nocomm)
     streams = ("dp", "pp", "tp") if dim == "all" else (dim,)
     exp = " ".join(f"{s} {r['serial'][f'exposed_{s}'] * 1e3:.0f}->{r['overlap'][f'exposed_{s}'] * 1e3:.0f} ms"
                    for s in streams)
@@ -421,8 +457,11 @@ def report(dim: str, r: dict) -> str:
         bubble = (f", pp wait {r['overlap']['bubble'] / over:.1%} of the step, in the steady phase "
                   f"{r['serial']['steady_p2p']:.1%}->{r['overlap']['steady_p2p']:.1%}")
     compute = r["overlap"]["compute"] / r["serial"]["compute"] if r["serial"]["compute"] else float("nan")
+    low, high = hidden_interval(r["rounds"])
+    spread = f" (90% {low:.0%}..{high:.0%})" if low == low else ""
     return (f"{dim:>4}  T_serial {serial:6.3f}  T_overlap {over:6.3f}  T_nocomm {nocomm:6.3f}  "
-            f"T_comm {r['comm']:6.3f} s   H {hidden:6.1%}   T_overlap/T_nocomm {over / nocomm:5.2f}   "
+            f"T_comm {r['comm']:6.3f} s   H {hidden:6.1%}{spread}   "
+            f"T_overlap/T_nocomm {over / nocomm:5.2f}   "
             f"exposed {exp}{bubble}; compute x{compute:.2f}")
 
 
@@ -441,6 +480,9 @@ def main() -> int:
     p.add_argument("--micro", type=int, default=2, help="micro-batch of the pp, tp and all runs")
     p.add_argument("--dp-micro", type=int, default=0, help="micro-batch of the dp run (0: batch / dp)")
     p.add_argument("--bucket", type=int, default=500_000, help="parallel.dp_bucket_size")
+    p.add_argument("--tail-buckets", type=int, default=4, help="parallel.dp_tail_buckets (1: off)")
+    p.add_argument("--gloo-reduce-scatter", action="store_true",
+                   help="parallel.dp_direct_reduce_scatter=false: gloo's own (all-reduce bytes)")
     p.add_argument("--tp-chunks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--keep", help="write the runs' directories (traces, metrics) here and keep them")
@@ -460,7 +502,8 @@ def main() -> int:
         return 0
     a.forward = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
                  ("steps", "rounds", "warmup", "layers", "d_model", "seq", "batch", "micro", "dp_micro",
-                  "bucket", "tp_chunks")]
+                  "bucket", "tail_buckets", "tp_chunks")]
+    a.forward += ["--gloo-reduce-scatter"] if a.gloo_reduce_scatter else []
 
     from megascale.config import load_config
     from megascale.data import ensure_dataset

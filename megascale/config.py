@@ -79,6 +79,11 @@ class ParallelConfig:
     # MegaScale's communication overlap, one off switch per dimension (benchmarks/overlap.py):
     dp_overlap_grad_reduce: bool = True  # reduce-scatter each bucket as its gradients complete in backward
     dp_overlap_param_gather: bool = True  # all-gather each bucket after the step, wait before its first use
+    # the last dp_bucket_size elements in this many buckets (1: off): the reduce-scatter left after
+    # backward and the first all-gather the forward waits for are a fraction of a bucket
+    dp_tail_buckets: int = 4
+    # on gloo, the gradient reduce-scatter as direct sends: half the bytes of gloo's own (an all-reduce)
+    dp_direct_reduce_scatter: bool = True
     pp_overlap: bool = True  # receives posted ahead of the compute that needs them, sends completed lazily
     tp_overlap: bool = False  # all-gather/reduce-scatter pipelined with the TP GEMMs in chunks (tp > 1)
     tp_overlap_chunks: int = 2  # chunks per overlapped TP GEMM (tp_overlap)
@@ -425,7 +430,7 @@ def validate(cfg: Config) -> None:
             f"train.micro_batch={t.micro_batch} x parallel.dp={p.dp}"
         )
 
-    for name in ("tp", "pp", "vpp", "dp_bucket_size", "tp_overlap_chunks"):
+    for name in ("tp", "pp", "vpp", "dp_bucket_size", "dp_tail_buckets", "tp_overlap_chunks"):
         _positive(f"parallel.{name}", getattr(p, name))
     _positive("parallel.dp", p.dp, allow_zero=True)  # 0: from the world, at start (check_world_size)
     _choice("parallel.schedule", p.schedule, ("auto", "1f1b", "interleaved", "afab"))

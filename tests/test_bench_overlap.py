@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -38,3 +40,27 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + split, r.stdout, re.M)
     assert len(rows) == 7 and rows[0] == "baseline", r.stdout
     assert set(netns.namespaces()) <= before  # torn down
+
+
+def _overlap_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("overlap_bench", ROOT / "benchmarks" / "overlap.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hidden_fraction_and_its_interval_over_rounds():
+    ov = _overlap_module()
+    assert ov.hidden_fraction(1.0, 0.8, 0.6) == pytest.approx(0.5)
+    assert ov.hidden_fraction(1.0, 0.8, 1.0) != ov.hidden_fraction(1.0, 0.8, 1.0)  # nothing exposed: nan
+    # steady rounds: the interval is the figure itself
+    steady = {"serial": [[1.0, 1.0]] * 3, "overlap": [[0.8, 0.8]] * 3, "nocomm": [[0.6, 0.6]] * 3}
+    assert ov.hidden_interval(steady) == pytest.approx((0.5, 0.5))
+    # one round whose overlap ran faster widens it upwards, and it still holds the pooled figure
+    noisy = {"serial": [[1.0], [1.0], [1.0]], "overlap": [[0.8], [0.8], [0.65]],
+             "nocomm": [[0.6], [0.6], [0.6]]}
+    low, high = ov.hidden_interval(noisy)
+    assert low == pytest.approx(0.5) and high == pytest.approx(0.875)
+    assert all(x != x for x in ov.hidden_interval({k: v[:1] for k, v in steady.items()}))  # one round

@@ -81,6 +81,7 @@ def layout_of(cfg: Config) -> dict:
     out = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "vpp": p.vpp, "sequence_parallel": p.sequence_parallel}
     if p.dp > 1:
         out["dp_bucket_size"] = p.dp_bucket_size
+        out["dp_tail_buckets"] = p.dp_tail_buckets
     return out
 
 
@@ -135,7 +136,8 @@ class ParallelEngine:
             self.optimizer = DistributedOptimizer(
                 self.model, cfg.optim, mesh, bucket_size=p.dp_bucket_size,
                 overlap_grad_reduce=p.dp_overlap_grad_reduce, norm_exclude=duplicates,
-                overlap_param_gather=p.dp_overlap_param_gather and not t.compile, deferred=tied)
+                overlap_param_gather=p.dp_overlap_param_gather and not t.compile, deferred=tied,
+                tail_buckets=p.dp_tail_buckets, direct_reduce_scatter=p.dp_direct_reduce_scatter)
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
             if isinstance(self.optimizer, Lamb) and mesh.tp > 1:

@@ -127,7 +127,7 @@ def memory_per_rank(
     recompute = cfg.recompute if recompute is None else recompute
     wb = torch.finfo(dtype).bits // 8
     numels, first_deferred = stage_numels(cfg, parallel, stage)
-    buffer = plan_buckets(numels, bucket_size, parallel.dp, first_deferred)[-1][1]
+    buffer = plan_buckets(numels, bucket_size, parallel.dp, first_deferred, parallel.dp_tail_buckets)[-1][1]
     shard = buffer // parallel.dp
     tokens = micro_batch * cfg.seq_len
     block, edge, block_input = activation_bytes_per_token(cfg, parallel.tp, wb)

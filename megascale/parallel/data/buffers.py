@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megascale.observe import timers
+from megascale.parallel.data.direct import DirectReduceScatter
 from megascale.parallel.mesh import Mesh
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron-Core's default (its min bucket at dp <= 40)
@@ -64,21 +65,39 @@ class Piece:
     shard_offset: int
 
 
-def plan_buckets(numels: list[int], bucket_size: int, dp: int,
-                 break_before: int | None = None) -> list[tuple[int, int, list[int]]]:
+def plan_buckets(numels: list[int], bucket_size: int, dp: int, break_before: int | None = None,
+                 tail_buckets: int = 1) -> list[tuple[int, int, list[int]]]:
     """(start, end, parameter indices) of each bucket over parameters laid out in the given order.
 
     A bucket closes once it holds >= bucket_size elements, and before parameter `break_before`
     (the deferred ones start their own bucket); its end is padded to a multiple of dp so it
-    splits into equal shards. Pure arithmetic, so it is tested without processes.
+    splits into equal shards. With tail_buckets = k > 1, the last bucket_size elements before the
+    deferred ones go in k buckets of about a k-th of that: in backward order they are the gradients
+    completed last, whose reduce-scatter nothing is left to hide, and the parameters the next
+    forward needs first, whose all-gather it waits for. Pure arithmetic, so it is tested without
+    processes.
     """
     if bucket_size <= 0:
         raise ValueError(f"bucket_size must be > 0, got {bucket_size}")
+    if tail_buckets <= 0:
+        raise ValueError(f"tail_buckets must be > 0, got {tail_buckets}")
+    n_main = len(numels) if break_before is None else break_before
+    main = sum(numels[:n_main])
+    tail_from = max(0, main - bucket_size) if tail_buckets > 1 else main  # element offset, no padding
+    tail_cap = -(-(main - tail_from) // tail_buckets)
+    ends, total = [], 0
+    for n in numels:
+        total += n
+        ends.append(total)
+    # the tail: the parameters that end past tail_from (none if tail_buckets is 1)
+    in_tail = [i < n_main and ends[i] > tail_from for i in range(len(numels))]
     buckets, start, offset, members = [], 0, 0, []
     for i, n in enumerate(numels):
         members.append(i)
         offset += n
-        if offset - start >= bucket_size or i == len(numels) - 1 or i + 1 == break_before:
+        last = i == len(numels) - 1
+        if (offset - start >= (tail_cap if in_tail[i] else bucket_size) or last or i + 1 == break_before
+                or in_tail[i + 1] != in_tail[i]):  # a full-size bucket stops where the tail begins
             end = start + -(-(offset - start) // dp) * dp
             buckets.append((start, end, members))
             start = offset = end
@@ -90,8 +109,10 @@ class Bucket:
     """A contiguous range of one dtype's buffers that is reduce-scattered and all-gathered as one."""
 
     def __init__(self, index: int, params: list[nn.Parameter], offsets: list[int], start: int, end: int,
-                 param_data: Tensor, grad_data: Tensor, mesh: Mesh):
+                 param_data: Tensor, grad_data: Tensor, mesh: Mesh, direct: bool = False):
         self.index, self.params, self.offsets, self.mesh = index, params, offsets, mesh
+        # gloo: the reduce-scatter as direct sends, half the bytes of gloo's own (parallel/data/direct.py)
+        self.direct = DirectReduceScatter(mesh.dp_group, tag=index) if direct and mesh.dp > 1 else None
         self.param_data, self.grad_data = param_data[start:end], grad_data[start:end]
         self.shard_size = (end - start) // mesh.dp
         lo = mesh.dp_rank * self.shard_size
@@ -111,8 +132,11 @@ class Bucket:
             self.grad_data.mul_(1.0 / self.mesh.dp)
             self.pending = timers.launch("reduce_scatter", "dp", "dp",
                                          nbytes=self.grad_data.numel() * self.grad_data.element_size())
-            self.work = dist.reduce_scatter_single(self.grad_shard, self.grad_data,
-                                                   group=self.mesh.dp_group, async_op=True)
+            if self.direct is not None:
+                self.work = self.direct.start(self.grad_shard, self.grad_data)
+            else:
+                self.work = dist.reduce_scatter_single(self.grad_shard, self.grad_data,
+                                                       group=self.mesh.dp_group, async_op=True)
 
     def start_param_gather(self):
         """All-gather every rank's updated shard into the full bucket (async; returns the work or None)."""
@@ -132,8 +156,12 @@ class DPBuffers:
     """
 
     def __init__(self, params: list[nn.Parameter], mesh: Mesh, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                 overlap: bool = True, deferred: list[nn.Parameter] = ()):
-        self.mesh, self.overlap = mesh, overlap
+                 overlap: bool = True, deferred: list[nn.Parameter] = (), tail_buckets: int = 1,
+                 direct_reduce_scatter: bool = False):
+        self.mesh, self.overlap, self.tail_buckets = mesh, overlap, tail_buckets
+        # direct sends only where the backend's own reduce-scatter is not bandwidth-optimal (gloo)
+        self._direct = (direct_reduce_scatter and mesh.dp > 1
+                        and dist.get_backend(mesh.dp_group) == dist.Backend.GLOO)
         self._deferred = {id(p) for p in deferred}
         self.param_buffers: dict[torch.dtype, Tensor] = {}
         self.grad_buffers: dict[torch.dtype, Tensor] = {}
@@ -156,7 +184,8 @@ class DPBuffers:
     @torch.no_grad()
     def _build(self, dtype: torch.dtype, params: list[nn.Parameter], bucket_size: int) -> None:
         first_deferred = next((i for i, p in enumerate(params) if id(p) in self._deferred), None)
-        plan = plan_buckets([p.numel() for p in params], bucket_size, self.mesh.dp, first_deferred)
+        plan = plan_buckets([p.numel() for p in params], bucket_size, self.mesh.dp, first_deferred,
+                            self.tail_buckets)
         total = plan[-1][1]
         device = params[0].device
         data = torch.zeros(total, dtype=dtype, device=device)
@@ -170,7 +199,7 @@ class DPBuffers:
                 p.grad = grad[offset:offset + n].view_as(p)
                 offsets.append(offset - start)
                 offset += n
-            bucket = Bucket(len(self.buckets), ps, offsets, start, end, data, grad, self.mesh)
+            bucket = Bucket(len(self.buckets), ps, offsets, start, end, data, grad, self.mesh, self._direct)
             self.buckets.append(bucket)
             self._bucket_of.update({id(p): bucket for p in ps})
         self.param_buffers[dtype], self.grad_buffers[dtype] = data, grad
