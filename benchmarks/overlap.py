@@ -20,7 +20,7 @@ variants, exposed communication the slowest rank's per step, all measured in one
 a 90% bootstrap interval over the rounds: on 2 shared cores one step moves by 10% and more, and
 H is a ratio of two differences of such medians, so a single figure says little without it.
 `--tail-buckets 1` and `--gloo-reduce-scatter` turn off the two dp refinements (parallel.dp_tail_buckets,
-parallel.dp_direct_reduce_scatter) to see what they buy. Goals of
+parallel.direct_reduce_scatter) to see what they buy. Goals of
 issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
 slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
@@ -93,7 +93,7 @@ def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> li
         "train.eval_interval=0", "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0",
         "log.peak_flops=1e9", "checkpoint.interval=0", "checkpoint.memory_interval=0",
         f"parallel.dp_bucket_size={a.bucket}", f"parallel.dp_tail_buckets={a.tail_buckets}",
-        f"parallel.dp_direct_reduce_scatter={str(not a.gloo_reduce_scatter).lower()}",
+        f"parallel.direct_reduce_scatter={str(not a.gloo_reduce_scatter).lower()}",
         f"parallel.tp_overlap_chunks={a.tp_chunks}",
         f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
         f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}",
@@ -482,7 +482,7 @@ def main() -> int:
     p.add_argument("--bucket", type=int, default=500_000, help="parallel.dp_bucket_size")
     p.add_argument("--tail-buckets", type=int, default=4, help="parallel.dp_tail_buckets (1: off)")
     p.add_argument("--gloo-reduce-scatter", action="store_true",
-                   help="parallel.dp_direct_reduce_scatter=false: gloo's own (all-reduce bytes)")
+                   help="parallel.direct_reduce_scatter=false: gloo's own (all-reduce bytes)")
     p.add_argument("--tp-chunks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--keep", help="write the runs' directories (traces, metrics) here and keep them")

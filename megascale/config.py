@@ -82,8 +82,8 @@ class ParallelConfig:
     # the last dp_bucket_size elements in this many buckets (1: off): the reduce-scatter left after
     # backward and the first all-gather the forward waits for are a fraction of a bucket
     dp_tail_buckets: int = 4
-    # on gloo, the gradient reduce-scatter as direct sends: half the bytes of gloo's own (an all-reduce)
-    dp_direct_reduce_scatter: bool = True
+    # on gloo, the dp and tp reduce-scatters as direct sends: half the bytes of gloo's own (an all-reduce)
+    direct_reduce_scatter: bool = True
     pp_overlap: bool = True  # receives posted ahead of the compute that needs them, sends completed lazily
     tp_overlap: bool = False  # all-gather/reduce-scatter pipelined with the TP GEMMs in chunks (tp > 1)
     tp_overlap_chunks: int = 2  # chunks per overlapped TP GEMM (tp_overlap)

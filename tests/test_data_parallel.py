@@ -109,11 +109,10 @@ def test_shards_cut_through_tensors_and_cover_each_once(pool):
 
 
 def _round_trip(rank, direct):
-    mesh = Mesh.build(ParallelConfig(dp=2))
+    mesh = Mesh.build(ParallelConfig(dp=2, direct_reduce_scatter=direct))
     model = tiny()
-    bufs = DPBuffers(list(model.parameters()), mesh, bucket_size=700, overlap=False,
-                     direct_reduce_scatter=direct)
-    assert all((b.direct is not None) == direct for b in bufs.buckets)  # gloo: direct sends when asked
+    bufs = DPBuffers(list(model.parameters()), mesh, bucket_size=700, overlap=False)
+    assert mesh.direct_reduce_scatter == direct  # gloo: direct sends when asked
     grad = bufs.grad_buffers[torch.float64]
     grad.copy_(torch.arange(grad.numel(), dtype=torch.float64) * (rank + 1))  # rank r: (r + 1) * i
     bufs.finish_grad_sync()
@@ -236,26 +235,29 @@ def test_low_precision_params_are_refused():
 def _direct_vs_native(rank):
     import torch.distributed as dist
 
-    from megascale.parallel.data.direct import DirectReduceScatter
+    from megascale.distributed.reduce_scatter import start_reduce_scatter
 
     n, sizes = dist.get_world_size(), (6, 30, 3)
     fulls = [torch.arange(k * n, dtype=torch.float64) * (rank + 1) + rank for k in sizes]
-    shards = [f.chunk(n)[rank] for f in fulls]
-    want = [torch.empty_like(s) for s in shards]
+    want = [torch.empty(k, dtype=torch.float64) for k in sizes]
     for w, f in zip(want, fulls, strict=True):
         dist.reduce_scatter_single(w, f.clone())
-    # three buckets in flight at once, each on its own tag, waited for out of order
-    exchanges = [DirectReduceScatter(dist.group.WORLD, tag=i).start(s, f)
-                 for i, (s, f) in enumerate(zip(shards, fulls, strict=True))]
+    # in place into the rank's own chunk (a DP bucket) and into a tensor of its own (TP), three
+    # exchanges in flight at once on two tags, waited for out of order
+    inplace = [f.clone() for f in fulls[:2]]
+    shards = [f.chunk(n)[rank] for f in inplace]
+    own = torch.full((sizes[2],), float("nan"), dtype=torch.float64)
+    exchanges = [start_reduce_scatter(s, f, dist.group.WORLD, tag=i) for i, (s, f) in
+                 enumerate(zip(shards, inplace, strict=True))]
+    exchanges.append(start_reduce_scatter(own, fulls[2].clone(), dist.group.WORLD))
     for ex in reversed(exchanges):
         ex.wait()
-    again = DirectReduceScatter(dist.group.WORLD, tag=9)
     try:
-        again.start(shards[0].clone(), fulls[0])
+        start_reduce_scatter(own, fulls[0], dist.group.WORLD)
         misuse = None
     except ValueError as e:
         misuse = str(e)
-    return [torch.equal(s, w) for s, w in zip(shards, want, strict=True)], misuse
+    return [torch.equal(s, w) for s, w in zip([*shards, own], want, strict=True)], misuse
 
 
 def test_direct_reduce_scatter_equals_gloos_on_three_ranks():
@@ -266,4 +268,4 @@ def test_direct_reduce_scatter_equals_gloos_on_three_ranks():
         pool.close()
     for equal, misuse in results:
         assert equal == [True, True, True]  # integer-valued float64: sums exact in any order
-        assert "shard must be this rank's chunk" in misuse
+        assert "input of 18 elements for 3 outputs of 3" in misuse

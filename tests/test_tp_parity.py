@@ -179,7 +179,8 @@ def _count_collectives(rank, fused):
         return real[1](*a, **k)
 
     mcfg = model_config("gpt", "parallel", "full")
-    mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=True))
+    # gloo's own reduce-scatter, so that every one is a call counted here (direct sends are isends)
+    mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=True, direct_reduce_scatter=False))
     factory = TPLayerFactory(mesh, sequence_parallel=True)
     model = GPT(mcfg, factory)
     parallelize(model, factory, fuse_parallel_block=fused)

@@ -137,7 +137,7 @@ class ParallelEngine:
                 self.model, cfg.optim, mesh, bucket_size=p.dp_bucket_size,
                 overlap_grad_reduce=p.dp_overlap_grad_reduce, norm_exclude=duplicates,
                 overlap_param_gather=p.dp_overlap_param_gather and not t.compile, deferred=tied,
-                tail_buckets=p.dp_tail_buckets, direct_reduce_scatter=p.dp_direct_reduce_scatter)
+                tail_buckets=p.dp_tail_buckets)
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
             if isinstance(self.optimizer, Lamb) and mesh.tp > 1:

@@ -94,6 +94,8 @@ class Mesh:
     mp_group: dist.ProcessGroup | None = None
     emb_group: dist.ProcessGroup | None = None  # first + last stage (pp > 1): tied-embedding gradients
     pp_bwd_group: dist.ProcessGroup | None = None  # the pp ranks again (pp > 1, NCCL): backward p2p
+    # reduce-scatters by direct sends (distributed/reduce_scatter.py): gloo with the flag on only
+    direct_reduce_scatter: bool = False
 
     @classmethod
     def build(cls, cfg: ParallelConfig, group_init: str = "local", p2p_groups: bool | None = None) -> Mesh:
@@ -115,7 +117,9 @@ class Mesh:
         if p2p_groups is None:
             p2p_groups = "nccl" in str(dist.get_backend())
         bwd = create_pp_bwd_group(cfg.dp, cfg.pp, cfg.tp, rank, group_init) if p2p_groups else None
-        return cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in GROUP_KINDS), pp_bwd_group=bwd)
+        direct = cfg.direct_reduce_scatter and dist.get_backend() == dist.Backend.GLOO
+        return cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in GROUP_KINDS), pp_bwd_group=bwd,
+                   direct_reduce_scatter=direct)
 
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """This rank's groups, in creation order (None where there is none)."""

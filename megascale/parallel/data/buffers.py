@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from megascale.distributed.reduce_scatter import start_reduce_scatter
 from megascale.observe import timers
-from megascale.parallel.data.direct import DirectReduceScatter
 from megascale.parallel.mesh import Mesh
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron-Core's default (its min bucket at dp <= 40)
@@ -109,10 +109,8 @@ class Bucket:
     """A contiguous range of one dtype's buffers that is reduce-scattered and all-gathered as one."""
 
     def __init__(self, index: int, params: list[nn.Parameter], offsets: list[int], start: int, end: int,
-                 param_data: Tensor, grad_data: Tensor, mesh: Mesh, direct: bool = False):
+                 param_data: Tensor, grad_data: Tensor, mesh: Mesh):
         self.index, self.params, self.offsets, self.mesh = index, params, offsets, mesh
-        # gloo: the reduce-scatter as direct sends, half the bytes of gloo's own (parallel/data/direct.py)
-        self.direct = DirectReduceScatter(mesh.dp_group, tag=index) if direct and mesh.dp > 1 else None
         self.param_data, self.grad_data = param_data[start:end], grad_data[start:end]
         self.shard_size = (end - start) // mesh.dp
         lo = mesh.dp_rank * self.shard_size
@@ -125,6 +123,10 @@ class Bucket:
             self.pieces.append(Piece(p, index, a - off, b - a, a - lo) if b > a else Piece(p, index, 0, 0, 0))
         self.ready: set[int] = set()
         self.work = self.pending = None
+        # gloo: the reduce-scatter as direct sends (distributed/reduce_scatter.py), into buffers kept
+        # from step to step: dp - 1 shards, made on first use
+        self.direct = mesh.direct_reduce_scatter and mesh.dp > 1
+        self._inbox: list[Tensor] | None = None
 
     def start_grad_reduce(self) -> None:
         """Average over dp: scale by 1/dp, then reduce-scatter into this rank's shard (async)."""
@@ -132,8 +134,11 @@ class Bucket:
             self.grad_data.mul_(1.0 / self.mesh.dp)
             self.pending = timers.launch("reduce_scatter", "dp", "dp",
                                          nbytes=self.grad_data.numel() * self.grad_data.element_size())
-            if self.direct is not None:
-                self.work = self.direct.start(self.grad_shard, self.grad_data)
+            if self.direct:
+                if self._inbox is None:
+                    self._inbox = [torch.empty_like(self.grad_shard) for _ in range(self.mesh.dp - 1)]
+                self.work = start_reduce_scatter(self.grad_shard, self.grad_data, self.mesh.dp_group,
+                                                 tag=self.index, inbox=self._inbox)
             else:
                 self.work = dist.reduce_scatter_single(self.grad_shard, self.grad_data,
                                                        group=self.mesh.dp_group, async_op=True)
@@ -156,12 +161,8 @@ class DPBuffers:
     """
 
     def __init__(self, params: list[nn.Parameter], mesh: Mesh, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                 overlap: bool = True, deferred: list[nn.Parameter] = (), tail_buckets: int = 1,
-                 direct_reduce_scatter: bool = False):
+                 overlap: bool = True, deferred: list[nn.Parameter] = (), tail_buckets: int = 1):
         self.mesh, self.overlap, self.tail_buckets = mesh, overlap, tail_buckets
-        # direct sends only where the backend's own reduce-scatter is not bandwidth-optimal (gloo)
-        self._direct = (direct_reduce_scatter and mesh.dp > 1
-                        and dist.get_backend(mesh.dp_group) == dist.Backend.GLOO)
         self._deferred = {id(p) for p in deferred}
         self.param_buffers: dict[torch.dtype, Tensor] = {}
         self.grad_buffers: dict[torch.dtype, Tensor] = {}
@@ -199,7 +200,7 @@ class DPBuffers:
                 p.grad = grad[offset:offset + n].view_as(p)
                 offsets.append(offset - start)
                 offset += n
-            bucket = Bucket(len(self.buckets), ps, offsets, start, end, data, grad, self.mesh, self._direct)
+            bucket = Bucket(len(self.buckets), ps, offsets, start, end, data, grad, self.mesh)
             self.buckets.append(bucket)
             self._bucket_of.update({id(p): bucket for p in ps})
         self.param_buffers[dtype], self.grad_buffers[dtype] = data, grad

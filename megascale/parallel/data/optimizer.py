@@ -50,16 +50,14 @@ class DistributedOptimizer:
 
     def __init__(self, model: nn.Module, cfg: OptimConfig, mesh: Mesh, bucket_size: int = DEFAULT_BUCKET_SIZE,
                  overlap_grad_reduce: bool = True, norm_exclude: Iterable[Tensor] = (),
-                 overlap_param_gather: bool = False, deferred: Iterable[Tensor] = (), tail_buckets: int = 1,
-                 direct_reduce_scatter: bool = False):
+                 overlap_param_gather: bool = False, deferred: Iterable[Tensor] = (), tail_buckets: int = 1):
         """norm_exclude: parameters the global grad norm must not count (a pipeline's second copy of a
         tied matrix, PipelineStage.norm_duplicates()); they are still updated.
         overlap_param_gather: the step launches the parameter all-gathers and returns; each module
         waits for its buckets in a forward pre-hook (call `wait_params` before reading the weights
         any other way). deferred: parameters whose gradients another collective completes after
         backward (DPBuffers). tail_buckets: the buffer's last bucket_size elements in this many
-        buckets (plan_buckets). direct_reduce_scatter: on gloo, reduce-scatter by direct sends
-        (parallel/data/direct.py)."""
+        buckets (plan_buckets)."""
         groups = param_groups(model, cfg.weight_decay)  # the single-process groups: one source of truth
         if not groups:
             raise ValueError("DistributedOptimizer: the model has no trainable parameters")
@@ -76,7 +74,7 @@ class DistributedOptimizer:
         # could be reduce-scattered before backward ended.
         in_model_order = [p for p in model.parameters() if p.requires_grad]
         self.buffers = DPBuffers(in_model_order, mesh, bucket_size, overlap_grad_reduce, list(deferred),
-                                 tail_buckets, direct_reduce_scatter)
+                                 tail_buckets)
         self.overlap_param_gather = overlap_param_gather
         self._gather_due = False  # the step updated the shards; their all-gather is not launched yet
         self._prefetch_hooks = []

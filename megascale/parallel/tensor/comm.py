@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megascale.distributed.reduce_scatter import start_reduce_scatter
 from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
@@ -60,7 +61,10 @@ def _reduce_scatter(x: Tensor, mesh: Mesh, dim: int) -> Tensor:
     pieces = x.unflatten(dim, (mesh.tp, -1)).movedim(dim, 0).contiguous()
     out = x.new_empty(pieces.shape[1:])
     with timers.comm("reduce_scatter", "tp", "tp", nbytes=pieces.numel() * pieces.element_size()):
-        dist.reduce_scatter_single(out, pieces.flatten(0, 1), group=mesh.tp_group)
+        if mesh.direct_reduce_scatter:  # gloo: half the bytes of its own reduce-scatter
+            start_reduce_scatter(out, pieces, mesh.tp_group).wait()
+        else:
+            dist.reduce_scatter_single(out, pieces.flatten(0, 1), group=mesh.tp_group)
     return out
 
 

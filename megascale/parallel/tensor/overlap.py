@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megascale.distributed.groups import create_groups
+from megascale.distributed.reduce_scatter import start_reduce_scatter
 from megascale.observe import timers
 from megascale.parallel.mesh import Mesh, group_ranks
 
@@ -68,6 +69,7 @@ class Overlap:
 
     chunks: int
     group: dist.ProcessGroup
+    direct: bool = False  # reduce-scatters as direct sends (gloo, Mesh.direct_reduce_scatter)
 
 
 def overlap_settings(mesh: Mesh, chunks: int) -> Overlap | None:
@@ -75,7 +77,7 @@ def overlap_settings(mesh: Mesh, chunks: int) -> Overlap | None:
     if chunks <= 0 or mesh.tp == 1:
         return None
     group = create_groups([group_ranks(mesh.dp, mesh.pp, mesh.tp, "tp")], mesh.rank)[0]
-    return Overlap(chunks, group)
+    return Overlap(chunks, group, mesh.direct_reduce_scatter)
 
 
 def num_chunks(size: int, chunks: int) -> int:
@@ -98,8 +100,8 @@ class _Flight:
 
     The tensors stay referenced until their wait, so nothing in flight is freed under gloo."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group, self.ops = group, []
+    def __init__(self, ov: Overlap):
+        self.group, self.direct, self.ops = ov.group, ov.direct, []
 
     def _issue(self, op: str, nbytes: int, collective, *tensors: Tensor) -> None:
         pending = timers.launch(op, "tp", "tp", nbytes=nbytes)
@@ -110,6 +112,10 @@ class _Flight:
         self._issue("all_gather", _nbytes(out), dist.all_gather_single, out.flatten(0, 1), inp)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor) -> None:
+        if self.direct:  # gloo: half the bytes of its own reduce-scatter (distributed/reduce_scatter.py)
+            pending = timers.launch("reduce_scatter", "tp", "tp", nbytes=_nbytes(inp))
+            self.ops.append((pending, start_reduce_scatter(out, inp, self.group), (out, inp)))
+            return
         self._issue("reduce_scatter", _nbytes(inp), dist.reduce_scatter_single, out, inp.flatten(0, 1))
 
     def all_reduce(self, t: Tensor) -> None:
@@ -137,8 +143,8 @@ def _amp(state: tuple[str, bool, torch.dtype]):
     return torch.autocast(dev, dtype=dtype, enabled=enabled)
 
 
-def _save(ctx, group: dist.ProcessGroup, tp: int, amp, *tensors: Tensor) -> None:
-    ctx.group, ctx.tp, ctx.amp = group, tp, amp
+def _save(ctx, ov: Overlap, tp: int, amp, *tensors: Tensor) -> None:
+    ctx.ov, ctx.tp, ctx.amp = ov, tp, amp
     ctx.save_for_backward(*tensors)
 
 
@@ -146,12 +152,12 @@ class _GatherColumn(torch.autograd.Function):
     """y = gather_seq(x) W^T + b with the all-gather pipelined under the GEMM, in chunks of dim 1."""
 
     @staticmethod
-    def forward(ctx, x, w, b, tp, group, chunks):
+    def forward(ctx, x, w, b, tp, ov, chunks):
         bsz, sl, d = x.shape
         c = num_chunks(sl, chunks)
         sc = sl // c
         gathered = x.new_empty((c, tp, bsz, sc, d))  # kept for the wgrad (see the module docstring)
-        flight = _Flight(group)
+        flight = _Flight(ov)
         for i in range(c):
             flight.all_gather(gathered[i], x.narrow(1, i * sc, sc).contiguous())
         y = None
@@ -161,14 +167,14 @@ class _GatherColumn(torch.autograd.Function):
             y = part.new_empty((bsz, tp * sl, part.shape[-1])) if y is None else y
             _gathered_order(y, i, c, tp).copy_(part)
         ctx.bias_dtype = None if b is None else b.dtype
-        _save(ctx, group, tp, _amp_state(x), gathered, w)
+        _save(ctx, ov, tp, _amp_state(x), gathered, w)
         return y
 
     @staticmethod
     def backward(ctx, g):
         gathered, w = ctx.saved_tensors
         c, tp, bsz, sc, d = gathered.shape
-        flight = _Flight(ctx.group)
+        flight = _Flight(ctx.ov)
         with _amp(ctx.amp):
             gp = g.new_empty((c, tp, bsz, sc, g.shape[-1]))  # g in the gathered order of the input
             dx = []
@@ -191,9 +197,9 @@ class _CopyColumn(torch.autograd.Function):
     chunk, the last one under the wgrad GEMM."""
 
     @staticmethod
-    def forward(ctx, x, w, b, tp, group, chunks):
+    def forward(ctx, x, w, b, tp, ov, chunks):
         ctx.bias_dtype, ctx.chunks = None if b is None else b.dtype, chunks
-        _save(ctx, group, tp, _amp_state(x), x, w)
+        _save(ctx, ov, tp, _amp_state(x), x, w)
         return F.linear(x, w, b)
 
     @staticmethod
@@ -201,7 +207,7 @@ class _CopyColumn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         rows = g2.shape[0] // num_chunks(g2.shape[0], ctx.chunks)
-        flight = _Flight(ctx.group)
+        flight = _Flight(ctx.ov)
         with _amp(ctx.amp):
             dx = []
             for g_i in g2.split(rows):
@@ -217,19 +223,19 @@ class _RowReduceScatter(torch.autograd.Function):
     """y = reduce_scatter_seq(x W^T): chunk i's reduce-scatter under chunk i+1's GEMM."""
 
     @staticmethod
-    def forward(ctx, x, w, tp, group, chunks):
+    def forward(ctx, x, w, tp, ov, chunks):
         bsz, s, _ = x.shape
         if s % tp:
             raise ValueError(f"dimension 1 of size {s} does not split over tp={tp}")
         c = num_chunks(s // tp, chunks)
-        flight, out = _Flight(group), []
+        flight, out = _Flight(ov), []
         for i in range(c):
             part = F.linear(_gathered_order(x, i, c, tp), w)  # (tp, b, chunk, out): stacked by rank
             out.append(part.new_empty(part.shape[1:]))
             flight.reduce_scatter(out[i], part)
         flight.wait_all()
         ctx.chunks = c
-        _save(ctx, group, tp, _amp_state(x), x, w)
+        _save(ctx, ov, tp, _amp_state(x), x, w)
         return torch.cat(out, 1)
 
     @staticmethod
@@ -239,7 +245,7 @@ class _RowReduceScatter(torch.autograd.Function):
         bsz, sl, f = g.shape
         sc = sl // c
         gathered = g.new_empty((c, tp, bsz, sc, f))
-        flight = _Flight(ctx.group)
+        flight = _Flight(ctx.ov)
         for i in range(c):
             flight.all_gather(gathered[i], g.narrow(1, i * sc, sc).contiguous())
         dx, g_full, dw = x.new_empty(x.shape), g.new_empty((bsz, tp * sl, f)), None
@@ -259,14 +265,14 @@ class _RowReduce(torch.autograd.Function):
     """y = reduce_from_tp(x W^T): chunk i's all-reduce under chunk i+1's GEMM (token chunks)."""
 
     @staticmethod
-    def forward(ctx, x, w, tp, group, chunks):
+    def forward(ctx, x, w, tp, ov, chunks):
         x2 = x.reshape(-1, x.shape[-1])
-        flight, out = _Flight(group), []
+        flight, out = _Flight(ov), []
         for x_i in x2.split(x2.shape[0] // num_chunks(x2.shape[0], chunks)):
             out.append(F.linear(x_i, w))
             flight.all_reduce(out[-1])
         flight.wait_all()
-        _save(ctx, group, tp, _amp_state(x), x, w)
+        _save(ctx, ov, tp, _amp_state(x), x, w)
         return torch.cat(out).view(*x.shape[:-1], -1)
 
     @staticmethod
@@ -284,11 +290,11 @@ class _RowReduce(torch.autograd.Function):
 def column_linear(x: Tensor, w: Tensor, b: Tensor | None, input_mode: str, mesh: Mesh, ov: Overlap) -> Tensor:
     """ColumnParallelLinear's input stage ("gather_seq" or "copy") and GEMM, overlapped."""
     fn = _GatherColumn if input_mode == "gather_seq" else _CopyColumn
-    return fn.apply(x, w, b, mesh.tp, ov.group, ov.chunks)
+    return fn.apply(x, w, b, mesh.tp, ov, ov.chunks)
 
 
 @torch.compiler.disable
 def row_linear(x: Tensor, w: Tensor, output_mode: str, mesh: Mesh, ov: Overlap) -> Tensor:
     """RowParallelLinear's GEMM and output stage ("reduce_scatter_seq" or "reduce"), overlapped."""
     fn = _RowReduceScatter if output_mode == "reduce_scatter_seq" else _RowReduce
-    return fn.apply(x, w, mesh.tp, ov.group, ov.chunks)
+    return fn.apply(x, w, mesh.tp, ov, ov.chunks)
