@@ -39,6 +39,7 @@ batch and the first layers' forward.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -85,10 +86,7 @@ def plan_buckets(numels: list[int], bucket_size: int, dp: int, break_before: int
     main = sum(numels[:n_main])
     tail_from = max(0, main - bucket_size) if tail_buckets > 1 else main  # element offset, no padding
     tail_cap = -(-(main - tail_from) // tail_buckets)
-    ends, total = [], 0
-    for n in numels:
-        total += n
-        ends.append(total)
+    ends = list(itertools.accumulate(numels))
     # the tail: the parameters that end past tail_from (none if tail_buckets is 1)
     in_tail = [i < n_main and ends[i] > tail_from for i in range(len(numels))]
     buckets, start, offset, members = [], 0, 0, []
@@ -124,8 +122,7 @@ class Bucket:
         self.ready: set[int] = set()
         self.work = self.pending = None
         # gloo: the reduce-scatter as direct sends (distributed/reduce_scatter.py), into buffers kept
-        # from step to step: dp - 1 shards, made on first use
-        self.direct = mesh.direct_reduce_scatter and mesh.dp > 1
+        # from step to step: dp - 1 shards, made by the first exchange
         self._inbox: list[Tensor] | None = None
 
     def start_grad_reduce(self) -> None:
@@ -134,11 +131,10 @@ class Bucket:
             self.grad_data.mul_(1.0 / self.mesh.dp)
             self.pending = timers.launch("reduce_scatter", "dp", "dp",
                                          nbytes=self.grad_data.numel() * self.grad_data.element_size())
-            if self.direct:
-                if self._inbox is None:
-                    self._inbox = [torch.empty_like(self.grad_shard) for _ in range(self.mesh.dp - 1)]
+            if self.mesh.direct_reduce_scatter:
                 self.work = start_reduce_scatter(self.grad_shard, self.grad_data, self.mesh.dp_group,
                                                  tag=self.index, inbox=self._inbox)
+                self._inbox = self.work.inbox
             else:
                 self.work = dist.reduce_scatter_single(self.grad_shard, self.grad_data,
                                                        group=self.mesh.dp_group, async_op=True)
