@@ -15,12 +15,15 @@ Domino's method (Wang et al. 2024):
 
 and, from the always-on timers (observe/breakdown.py), the communication each dimension left
 exposed per step, and the compute time (for tp: what splitting the GEMMs into chunks costs).
-Step times are medians of Trainer.train_step's time over the steps of alternating rounds of the
-variants, exposed communication the slowest rank's per step, all measured in one run. H comes with
-a 90% bootstrap interval over the rounds: on 2 shared cores one step moves by 10% and more, and
-H is a ratio of two differences of such medians, so a single figure says little without it.
-`--tail-buckets 1` and `--gloo-reduce-scatter` turn off the two dp refinements (parallel.dp_tail_buckets,
-parallel.direct_reduce_scatter) to see what they buy. Goals of
+The three variants' Trainers live side by side in every rank and take turns of 1 + `--steps` steps,
+`--rounds` times (a turn's first step, the hand-over, is not timed), so the machine's drift falls on
+all three alike. Step times are medians of Trainer.train_step's time over the timed steps, exposed
+communication the slowest rank's per step, all measured in one run. H comes with a 90% bootstrap
+interval over the rounds: on 2 shared cores one step moves by 10% and more, and H is a ratio of two
+differences of such medians, so a single figure says little without it.
+`--tail-buckets 1`, `--gloo-collectives` and `--chunk-bytes 0` turn off the dp refinements
+(parallel.dp_tail_buckets, parallel.direct_collectives, parallel.direct_chunk_bytes) to see what each
+buys. Goals of
 issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
 slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
@@ -93,7 +96,8 @@ def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> li
         "train.eval_interval=0", "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0",
         "log.peak_flops=1e9", "checkpoint.interval=0", "checkpoint.memory_interval=0",
         f"parallel.dp_bucket_size={a.bucket}", f"parallel.dp_tail_buckets={a.tail_buckets}",
-        f"parallel.direct_reduce_scatter={str(not a.gloo_reduce_scatter).lower()}",
+        f"parallel.direct_collectives={str(not a.gloo_collectives).lower()}",
+        f"parallel.direct_chunk_bytes={a.chunk_bytes}",
         f"parallel.tp_overlap_chunks={a.tp_chunks}",
         f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
         f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}",
@@ -349,49 +353,72 @@ def ablation_worker(a: argparse.Namespace) -> None:
 
 
 def worker(a: argparse.Namespace) -> None:
-    """On every rank (a host of the cluster): the three variants and the replay of one dimension."""
+    """On every rank (a host of the cluster): the three variants and the replay of one dimension.
+
+    The three variants' Trainers live side by side and take turns, a few steps each, round after
+    round, so that the machine's drift (2 shared cores: one step moves by 10% and more, the machine
+    by 25% between runs minutes apart) falls on all three alike. A turn's first step is not timed:
+    it starts with what the previous variant left in flight on the wire, and with the parameter
+    gathers its own last turn launched long done. Its steps after that are the variant's own.
+    """
     import torch
 
     from megascale.config import load_config
     from megascale.distributed.init import shutdown_distributed
+    from megascale.observe import timers
     from megascale.observe.breakdown import step_breakdown
     from megascale.observe.trace import read_run
     from megascale.train import Trainer
 
     torch.set_num_threads(1)
     dim, rank = a.worker, int(os.environ["RANK"])
-    wrapper, rows, times = Collectives(set()), {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
-    steady = {v: [] for v in VARIANTS}
-    by_round: dict[str, dict[int, list[float]]] = {v: {} for v in VARIANTS}
-    # The variants alternate, round after round, so the machine's drift (2 shared cores) falls on all
-    # of them alike; each variant's figure is the median over the steps of all its rounds.
+    trainers, groups, timed = {}, {}, {v: [] for v in VARIANTS}
+    for variant in VARIANTS:
+        run_dir = str(Path(a.base) / f"{dim}-{variant}")  # shared by the ranks: all are read
+        trainers[variant] = Trainer(load_config(None, overrides(a, dim, variant, run_dir)), quiet=True)
+        groups[variant] = dim_groups(trainers[variant].engine, DIMS[dim][3])
+    wrapper = Collectives(set())
+    times = {v: [] for v in VARIANTS}
+    by_round: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+
+    def step(variant: str, measured: bool, record: bool = False):
+        trainer = trainers[variant]
+        timers.install(trainer.observer.recorder)
+        wrapper.groups = groups[variant]
+        wrapper.mode = "nocomm" if variant == "nocomm" and measured else "pass"
+        if record:
+            wrapper.mode, wrapper.calls = "record", []
+        stats = trainer.train_step()
+        wrapper.mode = "pass"
+        if measured:
+            timed[variant].append(trainer.step - 1)  # the trace's step number of this step
+        return stats.step_time
+
+    for variant in VARIANTS:
+        for _ in range(a.warmup):
+            step(variant, False)
     for rnd in range(a.rounds):
         for variant in VARIANTS:
-            run_dir = str(Path(a.base) / f"{dim}-{variant}-{rnd}")  # shared by the ranks: all are read
-            trainer = Trainer(load_config(None, overrides(a, dim, variant, run_dir)), quiet=True)
-            wrapper.groups = dim_groups(trainer.engine, DIMS[dim][3])
-            for step in range(a.warmup + a.steps):
-                wrapper.mode = "nocomm" if variant == "nocomm" and step >= a.warmup else "pass"
-                if variant == "overlap" and rnd == 0 and step == a.warmup:
-                    wrapper.mode, wrapper.calls = "record", []
-                stats = trainer.train_step()
-                if step >= a.warmup:
-                    times[variant].append(stats.step_time)
-                    by_round[variant].setdefault(rnd, []).append(stats.step_time)
-            wrapper.mode = "pass"
-            trainer.close()
-            traces = read_run(run_dir)
-            breakdown = step_breakdown(traces)
-            rows[variant] += [breakdown["max"][s] for s in breakdown["steps"][a.warmup:]]
-            steady[variant].append(steady_p2p_wait(traces, breakdown["steps"][a.warmup:]))
-    out = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in rows.items()}
-    for v in VARIANTS:
+            step(variant, False)  # the turn's first step: the hand-over
+            by_round[variant].append([step(variant, True, record=variant == "overlap" and rnd == 0 and i == 0)
+                                      for i in range(a.steps)])
+            times[variant] += by_round[variant][-1]
+    rows, out = {}, {}
+    for variant, trainer in trainers.items():
+        run_dir = str(trainer.run_dir)
+        timers.install(trainer.observer.recorder)
+        trainer.close()
+        traces = read_run(run_dir)
+        breakdown = step_breakdown(traces)
+        steps = [s for s in breakdown["steps"] if s in set(timed[variant])]
+        rows[variant] = [breakdown["max"][s] for s in steps]
         # The step is Trainer.train_step's time (it ends in an all-reduce: the same on every rank). Not
         # the trace's "wall": a gather launched by one step and waited for in the next spans both.
-        out[v]["step"] = statistics.median(times[v])
-        out[v]["steady_p2p"] = statistics.median(steady[v])
+        out[variant] = {k: statistics.median(r[k] for r in rows[variant]) for k in rows[variant][0]}
+        out[variant]["step"] = statistics.median(times[variant])
+        out[variant]["steady_p2p"] = steady_p2p_wait(traces, steps)
     out["comm"] = statistics.median(wrapper.replay() for _ in range(3))
-    out["rounds"] = {v: [ts for _, ts in sorted(by_round[v].items())] for v in VARIANTS}  # step times
+    out["rounds"] = by_round  # step times
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
     shutdown_distributed()  # gloo's threads joined before exit, as `megascale train` does
@@ -470,8 +497,8 @@ def main() -> int:
     p.add_argument("--dims", nargs="*", default=list(DIMS), choices=list(DIMS),
                    help="the dimensions to measure (none: only --ablation)")
     p.add_argument("--mbit", type=float, default=1000.0, help="each host's link, tc tbf")
-    p.add_argument("--steps", type=int, default=4, help="measured steps per variant and round")
-    p.add_argument("--rounds", type=int, default=3, help="rounds of the variants, alternating")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per variant and turn")
+    p.add_argument("--rounds", type=int, default=6, help="rounds of the variants' turns")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -481,8 +508,10 @@ def main() -> int:
     p.add_argument("--dp-micro", type=int, default=0, help="micro-batch of the dp run (0: batch / dp)")
     p.add_argument("--bucket", type=int, default=500_000, help="parallel.dp_bucket_size")
     p.add_argument("--tail-buckets", type=int, default=4, help="parallel.dp_tail_buckets (1: off)")
-    p.add_argument("--gloo-reduce-scatter", action="store_true",
-                   help="parallel.direct_reduce_scatter=false: gloo's own (all-reduce bytes)")
+    p.add_argument("--gloo-collectives", action="store_true",
+                   help="parallel.direct_collectives=false: gloo's own (its reduce-scatter an all-reduce)")
+    p.add_argument("--chunk-bytes", type=int, default=262_144,
+                   help="parallel.direct_chunk_bytes (0: one message per peer)")
     p.add_argument("--tp-chunks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--keep", help="write the runs' directories (traces, metrics) here and keep them")
@@ -502,8 +531,8 @@ def main() -> int:
         return 0
     a.forward = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
                  ("steps", "rounds", "warmup", "layers", "d_model", "seq", "batch", "micro", "dp_micro",
-                  "bucket", "tail_buckets", "tp_chunks")]
-    a.forward += ["--gloo-reduce-scatter"] if a.gloo_reduce_scatter else []
+                  "bucket", "tail_buckets", "tp_chunks", "chunk_bytes")]
+    a.forward += ["--gloo-collectives"] if a.gloo_collectives else []
 
     from megascale.config import load_config
     from megascale.data import ensure_dataset
@@ -517,8 +546,8 @@ def main() -> int:
     hosts = 8 if a.ablation else max(DIMS[d][1] for d in a.dims)
     print(f"GPT {a.layers} layers, d_model {a.d_model}, seq {a.seq}, global batch {a.batch} in micro-batches "
           f"of {a.micro} (dp alone: {a.dp_micro or a.batch // 2}); one rank per host, links {a.mbit:.0f} "
-          f"Mbit/s (tc tbf); {a.rounds} alternating rounds of {a.steps} steps after {a.warmup}, medians",
-          flush=True)
+          f"Mbit/s (tc tbf); {a.rounds} rounds of the variants' turns of 1 + {a.steps} steps after "
+          f"{a.warmup}, medians of the timed steps", flush=True)
     with netns.SimCluster(hosts, mbit=a.mbit) as cluster, tempfile.TemporaryDirectory() as tmp:
         base = a.keep or tmp  # --keep: the runs' directories (traces, metrics) stay for a look
         a.forward.append(f"--base={base}")

@@ -108,11 +108,11 @@ def test_shards_cut_through_tensors_and_cover_each_once(pool):
 # ---------------------------------------------------------------------------------------- collectives
 
 
-def _round_trip(rank, direct):
-    mesh = Mesh.build(ParallelConfig(dp=2, direct_reduce_scatter=direct))
+def _round_trip(rank, direct, chunk_bytes):
+    mesh = Mesh.build(ParallelConfig(dp=2, direct_collectives=direct, direct_chunk_bytes=chunk_bytes))
     model = tiny()
     bufs = DPBuffers(list(model.parameters()), mesh, bucket_size=700, overlap=False)
-    assert mesh.direct_reduce_scatter == direct  # gloo: direct sends when asked
+    assert mesh.direct_collectives == direct  # gloo: direct sends when asked
     grad = bufs.grad_buffers[torch.float64]
     grad.copy_(torch.arange(grad.numel(), dtype=torch.float64) * (rank + 1))  # rank r: (r + 1) * i
     bufs.finish_grad_sync()
@@ -128,9 +128,11 @@ def _round_trip(rank, direct):
     return shards_ok, gathered, [p.flatten()[0].item() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["gloo-reduce-scatter", "direct-sends"])
-def test_reduce_scatter_averages_and_all_gather_restores(pool, direct):
-    (ok0, g0, first0), (ok1, g1, first1) = pool.run(_round_trip, direct)
+@pytest.mark.parametrize("direct, chunk_bytes", [(False, 0), (True, 0), (True, 1000)],
+                         ids=["gloo-collectives", "direct-sends", "direct-sends-in-pieces"])
+def test_reduce_scatter_averages_and_all_gather_restores(pool, direct, chunk_bytes):
+    # 1000 bytes: every shard of the 700-element float64 buckets goes in several pieces, the last short
+    (ok0, g0, first0), (ok1, g1, first1) = pool.run(_round_trip, direct, chunk_bytes)
     assert ok0 and ok1  # each rank's shard holds the mean (1.5 * i) of its elements
     assert g0 == g1 == [[1.0, 2.0]] * len(g0)  # every rank sees both ranks' shards, in rank order
     assert first0 == first1 and set(first0) <= {1.0, 2.0}  # the parameters are views of the gathered data
@@ -232,12 +234,12 @@ def test_low_precision_params_are_refused():
 # ---------------------------------------------------------------------------------------- direct sends
 
 
-def _direct_vs_native(rank):
+def _direct_vs_native(rank, chunk_bytes):
     import torch.distributed as dist
 
-    from megascale.distributed.reduce_scatter import start_reduce_scatter
+    from megascale.distributed.direct import start_all_gather, start_reduce_scatter
 
-    n, sizes = dist.get_world_size(), (6, 30, 3)
+    n, sizes, world = dist.get_world_size(), (6, 30, 3), dist.group.WORLD
     fulls = [torch.arange(k * n, dtype=torch.float64) * (rank + 1) + rank for k in sizes]
     want = [torch.empty(k, dtype=torch.float64) for k in sizes]
     for w, f in zip(want, fulls, strict=True):
@@ -247,25 +249,42 @@ def _direct_vs_native(rank):
     inplace = [f.clone() for f in fulls[:2]]
     shards = [f.chunk(n)[rank] for f in inplace]
     own = torch.full((sizes[2],), float("nan"), dtype=torch.float64)
-    exchanges = [start_reduce_scatter(s, f, dist.group.WORLD, tag=i) for i, (s, f) in
+    exchanges = [start_reduce_scatter(s, f, world, tag=i, chunk_bytes=chunk_bytes) for i, (s, f) in
                  enumerate(zip(shards, inplace, strict=True))]
-    exchanges.append(start_reduce_scatter(own, fulls[2].clone(), dist.group.WORLD))
+    exchanges.append(start_reduce_scatter(own, fulls[2].clone(), world, chunk_bytes=chunk_bytes))
+    # all-gathers: from a tensor of the rank's own (TP) and from its own part of the output (a DP
+    # bucket's shard), in flight together with a reduce-scatter on the same tag
+    parts = [torch.arange(k, dtype=torch.float64) + 100 * rank for k in sizes[1:]]
+    gathered = [torch.full((k * n,), float("nan"), dtype=torch.float64) for k in sizes[1:]]
+    gathered[1].chunk(n)[rank].copy_(parts[1])
+    exchanges.append(start_all_gather(gathered[0], parts[0], world, tag=1, chunk_bytes=chunk_bytes))
+    own_part = gathered[1].chunk(n)[rank]
+    exchanges.append(start_all_gather(gathered[1], own_part, world, chunk_bytes=chunk_bytes))
     for ex in reversed(exchanges):
         ex.wait()
-    try:
-        start_reduce_scatter(own, fulls[0], dist.group.WORLD)
-        misuse = None
-    except ValueError as e:
-        misuse = str(e)
-    return [torch.equal(s, w) for s, w in zip([*shards, own], want, strict=True)], misuse
+    native = [torch.empty(k * n, dtype=torch.float64) for k in sizes[1:]]
+    for out, p in zip(native, parts, strict=True):
+        dist.all_gather_single(out, p)
+    misuse = []
+    for bad in (lambda: start_reduce_scatter(own, fulls[0], world),
+                lambda: start_all_gather(gathered[0], parts[1], world)):
+        try:
+            bad()
+        except ValueError as e:
+            misuse.append(str(e))
+    return ([torch.equal(s, w) for s, w in zip([*shards, own], want, strict=True)]
+            + [torch.equal(g, w) for g, w in zip(gathered, native, strict=True)]), misuse
 
 
-def test_direct_reduce_scatter_equals_gloos_on_three_ranks():
+@pytest.mark.parametrize("chunk_bytes", [0, 16], ids=["whole", "in-pieces"])
+def test_direct_collectives_equal_gloos_on_three_ranks(chunk_bytes):
+    # 16 bytes: two float64 a piece, so a 3-element message goes as 2 + 1 and a 30-element one as 15 x 2
     pool = WorkerPool(3)
     try:
-        results = pool.run(_direct_vs_native)
+        results = pool.run(_direct_vs_native, chunk_bytes)
     finally:
         pool.close()
     for equal, misuse in results:
-        assert equal == [True, True, True]  # integer-valued float64: sums exact in any order
-        assert "input of 18 elements for 3 outputs of 3" in misuse
+        assert equal == [True] * 5  # integer-valued float64: sums exact in any order
+        assert "input of 18 elements for 3 outputs of 3" in misuse[0]
+        assert "output of 90 elements for 3 inputs of 3" in misuse[1]

@@ -179,8 +179,8 @@ def _count_collectives(rank, fused):
         return real[1](*a, **k)
 
     mcfg = model_config("gpt", "parallel", "full")
-    # gloo's own reduce-scatter, so that every one is a call counted here (direct sends are isends)
-    mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=True, direct_reduce_scatter=False))
+    # gloo's own collectives, so that every one is a call counted here (direct sends are isends)
+    mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=True, direct_collectives=False))
     factory = TPLayerFactory(mesh, sequence_parallel=True)
     model = GPT(mcfg, factory)
     parallelize(model, factory, fuse_parallel_block=fused)

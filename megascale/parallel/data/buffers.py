@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megascale.distributed.reduce_scatter import start_reduce_scatter
+from megascale.distributed.direct import start_all_gather, start_reduce_scatter
 from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
@@ -121,8 +121,8 @@ class Bucket:
             self.pieces.append(Piece(p, index, a - off, b - a, a - lo) if b > a else Piece(p, index, 0, 0, 0))
         self.ready: set[int] = set()
         self.work = self.pending = None
-        # gloo: the reduce-scatter as direct sends (distributed/reduce_scatter.py), into buffers kept
-        # from step to step: dp - 1 shards, made by the first exchange
+        # gloo: the reduce-scatter as direct sends (distributed/direct.py), into buffers kept from
+        # step to step: dp - 1 shards, made by the first exchange
         self._inbox: list[Tensor] | None = None
 
     def start_grad_reduce(self) -> None:
@@ -131,9 +131,10 @@ class Bucket:
             self.grad_data.mul_(1.0 / self.mesh.dp)
             self.pending = timers.launch("reduce_scatter", "dp", "dp",
                                          nbytes=self.grad_data.numel() * self.grad_data.element_size())
-            if self.mesh.direct_reduce_scatter:
+            if self.mesh.direct_collectives:
                 self.work = start_reduce_scatter(self.grad_shard, self.grad_data, self.mesh.dp_group,
-                                                 tag=self.index, inbox=self._inbox)
+                                                 tag=self.index, inbox=self._inbox,
+                                                 chunk_bytes=self.mesh.direct_chunk_bytes)
                 self._inbox = self.work.inbox
             else:
                 self.work = dist.reduce_scatter_single(self.grad_shard, self.grad_data,
@@ -145,6 +146,9 @@ class Bucket:
             return None
         pending = timers.launch("all_gather", "dp", "dp",
                                 nbytes=self.param_data.numel() * self.param_data.element_size())
+        if self.mesh.direct_collectives:
+            return pending, start_all_gather(self.param_data, self.param_shard, self.mesh.dp_group,
+                                             tag=self.index, chunk_bytes=self.mesh.direct_chunk_bytes)
         return pending, dist.all_gather_single(self.param_data, self.param_shard, group=self.mesh.dp_group,
                                                async_op=True)
 

@@ -57,8 +57,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from megascale.distributed.direct import start_all_gather, start_reduce_scatter
 from megascale.distributed.groups import create_groups
-from megascale.distributed.reduce_scatter import start_reduce_scatter
 from megascale.observe import timers
 from megascale.parallel.mesh import Mesh, group_ranks
 
@@ -69,7 +69,8 @@ class Overlap:
 
     chunks: int
     group: dist.ProcessGroup
-    direct: bool = False  # reduce-scatters as direct sends (gloo, Mesh.direct_reduce_scatter)
+    direct: bool = False  # collectives as direct sends (gloo, Mesh.direct_collectives)
+    chunk_bytes: int = 0  # their messages cut into pieces of this size (Mesh.direct_chunk_bytes)
 
 
 def overlap_settings(mesh: Mesh, chunks: int) -> Overlap | None:
@@ -77,7 +78,7 @@ def overlap_settings(mesh: Mesh, chunks: int) -> Overlap | None:
     if chunks <= 0 or mesh.tp == 1:
         return None
     group = create_groups([group_ranks(mesh.dp, mesh.pp, mesh.tp, "tp")], mesh.rank)[0]
-    return Overlap(chunks, group, mesh.direct_reduce_scatter)
+    return Overlap(chunks, group, mesh.direct_collectives, mesh.direct_chunk_bytes)
 
 
 def num_chunks(size: int, chunks: int) -> int:
@@ -101,7 +102,7 @@ class _Flight:
     The tensors stay referenced until their wait, so nothing in flight is freed under gloo."""
 
     def __init__(self, ov: Overlap):
-        self.group, self.direct, self.ops = ov.group, ov.direct, []
+        self.group, self.direct, self.chunk_bytes, self.ops = ov.group, ov.direct, ov.chunk_bytes, []
 
     def _issue(self, op: str, nbytes: int, collective, *tensors: Tensor) -> None:
         pending = timers.launch(op, "tp", "tp", nbytes=nbytes)
@@ -109,14 +110,20 @@ class _Flight:
 
     # out / inp (tp, ...) stacked by rank; gloo wants them concatenated, (tp * n0, ...): views
     def all_gather(self, out: Tensor, inp: Tensor) -> None:
-        self._issue("all_gather", _nbytes(out), dist.all_gather_single, out.flatten(0, 1), inp)
+        if self.direct:  # gloo: full duplex (distributed/direct.py)
+            self._direct("all_gather", _nbytes(out), start_all_gather, out, inp)
+        else:
+            self._issue("all_gather", _nbytes(out), dist.all_gather_single, out.flatten(0, 1), inp)
 
     def reduce_scatter(self, out: Tensor, inp: Tensor) -> None:
-        if self.direct:  # gloo: half the bytes of its own reduce-scatter (distributed/reduce_scatter.py)
-            pending = timers.launch("reduce_scatter", "tp", "tp", nbytes=_nbytes(inp))
-            self.ops.append((pending, start_reduce_scatter(out, inp, self.group), (out, inp)))
-            return
-        self._issue("reduce_scatter", _nbytes(inp), dist.reduce_scatter_single, out, inp.flatten(0, 1))
+        if self.direct:  # gloo: half the bytes of its own reduce-scatter (distributed/direct.py)
+            self._direct("reduce_scatter", _nbytes(inp), start_reduce_scatter, out, inp)
+        else:
+            self._issue("reduce_scatter", _nbytes(inp), dist.reduce_scatter_single, out, inp.flatten(0, 1))
+
+    def _direct(self, op: str, nbytes: int, start, out: Tensor, inp: Tensor) -> None:
+        pending = timers.launch(op, "tp", "tp", nbytes=nbytes)  # the exchange keeps its tensors itself
+        self.ops.append((pending, start(out, inp, self.group, chunk_bytes=self.chunk_bytes), ()))
 
     def all_reduce(self, t: Tensor) -> None:
         self._issue("all_reduce", _nbytes(t), dist.all_reduce, t)
