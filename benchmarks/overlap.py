@@ -21,9 +21,8 @@ all three alike. Step times are medians of Trainer.train_step's time over the ti
 communication the slowest rank's per step, all measured in one run. H comes with a 90% bootstrap
 interval over the rounds: on 2 shared cores one step moves by 10% and more, and H is a ratio of two
 differences of such medians, so a single figure says little without it.
-`--tail-buckets 1`, `--gloo-collectives` and `--chunk-bytes 0` turn off the dp refinements
-(parallel.dp_tail_buckets, parallel.direct_collectives, parallel.direct_chunk_bytes) to see what each
-buys. Goals of
+`--tail-buckets 1` and `--gloo-collectives` turn off the dp refinements (parallel.dp_tail_buckets,
+parallel.direct_collectives) to see what each buys. Goals of
 issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
 slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
@@ -97,7 +96,6 @@ def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> li
         "log.peak_flops=1e9", "checkpoint.interval=0", "checkpoint.memory_interval=0",
         f"parallel.dp_bucket_size={a.bucket}", f"parallel.dp_tail_buckets={a.tail_buckets}",
         f"parallel.direct_collectives={str(not a.gloo_collectives).lower()}",
-        f"parallel.direct_chunk_bytes={a.chunk_bytes}",
         f"parallel.tp_overlap_chunks={a.tp_chunks}",
         f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
         f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}",
@@ -510,8 +508,6 @@ def main() -> int:
     p.add_argument("--tail-buckets", type=int, default=4, help="parallel.dp_tail_buckets (1: off)")
     p.add_argument("--gloo-collectives", action="store_true",
                    help="parallel.direct_collectives=false: gloo's own (its reduce-scatter an all-reduce)")
-    p.add_argument("--chunk-bytes", type=int, default=262_144,
-                   help="parallel.direct_chunk_bytes (0: one message per peer)")
     p.add_argument("--tp-chunks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--keep", help="write the runs' directories (traces, metrics) here and keep them")
@@ -531,7 +527,7 @@ def main() -> int:
         return 0
     a.forward = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
                  ("steps", "rounds", "warmup", "layers", "d_model", "seq", "batch", "micro", "dp_micro",
-                  "bucket", "tail_buckets", "tp_chunks", "chunk_bytes")]
+                  "bucket", "tail_buckets", "tp_chunks")]
     a.forward += ["--gloo-collectives"] if a.gloo_collectives else []
 
     from megascale.config import load_config

@@ -83,10 +83,8 @@ class ParallelConfig:
     # backward and the first all-gather the forward waits for are a fraction of a bucket
     dp_tail_buckets: int = 4
     # on gloo, the dp and tp reduce-scatters and all-gathers as direct sends (distributed/direct.py):
-    # half the bytes of gloo's reduce-scatter (an all-reduce), and full duplex where its one large
-    # message each way runs at about half; every message cut into direct_chunk_bytes (0: uncut)
+    # half the bytes of gloo's reduce-scatter (an all-reduce); its all-gather 1.4x slower on a slow link
     direct_collectives: bool = True
-    direct_chunk_bytes: int = 262_144
     pp_overlap: bool = True  # receives posted ahead of the compute that needs them, sends completed lazily
     tp_overlap: bool = False  # all-gather/reduce-scatter pipelined with the TP GEMMs in chunks (tp > 1)
     tp_overlap_chunks: int = 2  # chunks per overlapped TP GEMM (tp_overlap)
@@ -436,7 +434,6 @@ def validate(cfg: Config) -> None:
     for name in ("tp", "pp", "vpp", "dp_bucket_size", "dp_tail_buckets", "tp_overlap_chunks"):
         _positive(f"parallel.{name}", getattr(p, name))
     _positive("parallel.dp", p.dp, allow_zero=True)  # 0: from the world, at start (check_world_size)
-    _positive("parallel.direct_chunk_bytes", p.direct_chunk_bytes, allow_zero=True)  # 0: messages uncut
     _choice("parallel.schedule", p.schedule, ("auto", "1f1b", "interleaved", "afab"))
     validate_layout(cfg)
 

@@ -108,8 +108,8 @@ def test_shards_cut_through_tensors_and_cover_each_once(pool):
 # ---------------------------------------------------------------------------------------- collectives
 
 
-def _round_trip(rank, direct, chunk_bytes):
-    mesh = Mesh.build(ParallelConfig(dp=2, direct_collectives=direct, direct_chunk_bytes=chunk_bytes))
+def _round_trip(rank, direct):
+    mesh = Mesh.build(ParallelConfig(dp=2, direct_collectives=direct))
     model = tiny()
     bufs = DPBuffers(list(model.parameters()), mesh, bucket_size=700, overlap=False)
     assert mesh.direct_collectives == direct  # gloo: direct sends when asked
@@ -128,11 +128,9 @@ def _round_trip(rank, direct, chunk_bytes):
     return shards_ok, gathered, [p.flatten()[0].item() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("direct, chunk_bytes", [(False, 0), (True, 0), (True, 1000)],
-                         ids=["gloo-collectives", "direct-sends", "direct-sends-in-pieces"])
-def test_reduce_scatter_averages_and_all_gather_restores(pool, direct, chunk_bytes):
-    # 1000 bytes: every shard of the 700-element float64 buckets goes in several pieces, the last short
-    (ok0, g0, first0), (ok1, g1, first1) = pool.run(_round_trip, direct, chunk_bytes)
+@pytest.mark.parametrize("direct", [False, True], ids=["gloo-collectives", "direct-sends"])
+def test_reduce_scatter_averages_and_all_gather_restores(pool, direct):
+    (ok0, g0, first0), (ok1, g1, first1) = pool.run(_round_trip, direct)
     assert ok0 and ok1  # each rank's shard holds the mean (1.5 * i) of its elements
     assert g0 == g1 == [[1.0, 2.0]] * len(g0)  # every rank sees both ranks' shards, in rank order
     assert first0 == first1 and set(first0) <= {1.0, 2.0}  # the parameters are views of the gathered data
@@ -234,7 +232,7 @@ def test_low_precision_params_are_refused():
 # ---------------------------------------------------------------------------------------- direct sends
 
 
-def _direct_vs_native(rank, chunk_bytes):
+def _direct_vs_native(rank):
     import torch.distributed as dist
 
     from megascale.distributed.direct import start_all_gather, start_reduce_scatter
@@ -249,17 +247,17 @@ def _direct_vs_native(rank, chunk_bytes):
     inplace = [f.clone() for f in fulls[:2]]
     shards = [f.chunk(n)[rank] for f in inplace]
     own = torch.full((sizes[2],), float("nan"), dtype=torch.float64)
-    exchanges = [start_reduce_scatter(s, f, world, tag=i, chunk_bytes=chunk_bytes) for i, (s, f) in
+    exchanges = [start_reduce_scatter(s, f, world, tag=i) for i, (s, f) in
                  enumerate(zip(shards, inplace, strict=True))]
-    exchanges.append(start_reduce_scatter(own, fulls[2].clone(), world, chunk_bytes=chunk_bytes))
+    exchanges.append(start_reduce_scatter(own, fulls[2].clone(), world))
     # all-gathers: from a tensor of the rank's own (TP) and from its own part of the output (a DP
     # bucket's shard), in flight together with a reduce-scatter on the same tag
     parts = [torch.arange(k, dtype=torch.float64) + 100 * rank for k in sizes[1:]]
     gathered = [torch.full((k * n,), float("nan"), dtype=torch.float64) for k in sizes[1:]]
     gathered[1].chunk(n)[rank].copy_(parts[1])
-    exchanges.append(start_all_gather(gathered[0], parts[0], world, tag=1, chunk_bytes=chunk_bytes))
+    exchanges.append(start_all_gather(gathered[0], parts[0], world, tag=1))
     own_part = gathered[1].chunk(n)[rank]
-    exchanges.append(start_all_gather(gathered[1], own_part, world, chunk_bytes=chunk_bytes))
+    exchanges.append(start_all_gather(gathered[1], own_part, world))
     for ex in reversed(exchanges):
         ex.wait()
     native = [torch.empty(k * n, dtype=torch.float64) for k in sizes[1:]]
@@ -276,12 +274,10 @@ def _direct_vs_native(rank, chunk_bytes):
             + [torch.equal(g, w) for g, w in zip(gathered, native, strict=True)]), misuse
 
 
-@pytest.mark.parametrize("chunk_bytes", [0, 16], ids=["whole", "in-pieces"])
-def test_direct_collectives_equal_gloos_on_three_ranks(chunk_bytes):
-    # 16 bytes: two float64 a piece, so a 3-element message goes as 2 + 1 and a 30-element one as 15 x 2
+def test_direct_collectives_equal_gloos_on_three_ranks():
     pool = WorkerPool(3)
     try:
-        results = pool.run(_direct_vs_native, chunk_bytes)
+        results = pool.run(_direct_vs_native)
     finally:
         pool.close()
     for equal, misuse in results:

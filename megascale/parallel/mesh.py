@@ -94,10 +94,8 @@ class Mesh:
     mp_group: dist.ProcessGroup | None = None
     emb_group: dist.ProcessGroup | None = None  # first + last stage (pp > 1): tied-embedding gradients
     pp_bwd_group: dist.ProcessGroup | None = None  # the pp ranks again (pp > 1, NCCL): backward p2p
-    # reduce-scatters and all-gathers by direct sends in pieces of direct_chunk_bytes
-    # (distributed/direct.py): gloo with the flag on only
+    # reduce-scatters and all-gathers by direct sends (distributed/direct.py): gloo with the flag on only
     direct_collectives: bool = False
-    direct_chunk_bytes: int = 0
 
     @classmethod
     def build(cls, cfg: ParallelConfig, group_init: str = "local", p2p_groups: bool | None = None) -> Mesh:
@@ -121,7 +119,7 @@ class Mesh:
         bwd = create_pp_bwd_group(cfg.dp, cfg.pp, cfg.tp, rank, group_init) if p2p_groups else None
         direct = cfg.direct_collectives and dist.get_backend() == dist.Backend.GLOO
         return cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in GROUP_KINDS), pp_bwd_group=bwd,
-                   direct_collectives=direct, direct_chunk_bytes=cfg.direct_chunk_bytes)
+                   direct_collectives=direct)
 
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """This rank's groups, in creation order (None where there is none)."""

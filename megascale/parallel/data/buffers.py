@@ -133,8 +133,7 @@ class Bucket:
                                          nbytes=self.grad_data.numel() * self.grad_data.element_size())
             if self.mesh.direct_collectives:
                 self.work = start_reduce_scatter(self.grad_shard, self.grad_data, self.mesh.dp_group,
-                                                 tag=self.index, inbox=self._inbox,
-                                                 chunk_bytes=self.mesh.direct_chunk_bytes)
+                                                 tag=self.index, inbox=self._inbox)
                 self._inbox = self.work.inbox
             else:
                 self.work = dist.reduce_scatter_single(self.grad_shard, self.grad_data,
@@ -148,7 +147,7 @@ class Bucket:
                                 nbytes=self.param_data.numel() * self.param_data.element_size())
         if self.mesh.direct_collectives:
             return pending, start_all_gather(self.param_data, self.param_shard, self.mesh.dp_group,
-                                             tag=self.index, chunk_bytes=self.mesh.direct_chunk_bytes)
+                                             tag=self.index)
         return pending, dist.all_gather_single(self.param_data, self.param_shard, group=self.mesh.dp_group,
                                                async_op=True)
 

@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megascale.distributed import direct
 from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
@@ -57,9 +56,6 @@ class P2P:
         self.posted: dict[int, deque[tuple[dist.Work, Tensor, int]]] = {FORWARD_TAG: deque(),
                                                                         BACKWARD_TAG: deque()}
         self.wait_s = 0.0
-        # gloo: each message in pieces (distributed/direct.py), since one large message each way
-        # between two hosts runs at about half duplex, and 1F1B's steady phase sends both ways at once
-        self.chunk_bytes = mesh.direct_chunk_bytes if mesh.direct_collectives else 0
 
     def group(self, tag: int) -> dist.ProcessGroup | None:
         """The communicator of a direction: the backward one where the mesh has it (NCCL)."""
@@ -70,7 +66,7 @@ class P2P:
     def send(self, tensor: Tensor, dst: int, tag: int) -> None:
         buf = tensor.detach().to(self.dtype).contiguous()
         timed = timers.launch("send", "pp", "pp", peer=dst, tag=tag, nbytes=buf.numel() * buf.element_size())
-        self.pending.append((direct.isend(buf, dst, self.group(tag), tag, self.chunk_bytes), buf, timed))
+        self.pending.append((dist.isend(buf, dst=dst, group=self.group(tag), tag=tag), buf, timed))
 
     def send_lazily(self, tensor: Tensor, dst: int, tag: int) -> None:
         """`send`, after letting go of the sends already done (their buffers may be freed)."""
@@ -82,14 +78,14 @@ class P2P:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         t0 = time.perf_counter()
         with timers.comm("recv", "pp", "pp", peer=src, tag=tag, nbytes=buf.numel() * buf.element_size()):
-            direct.irecv(buf, src, self.group(tag), tag, self.chunk_bytes).wait()
+            dist.irecv(buf, src=src, group=self.group(tag), tag=tag).wait()
         self.wait_s += time.perf_counter() - t0
         return buf
 
     def post(self, src: int, tag: int) -> None:
         """Post the next receive of a stream ahead of the op that takes it."""
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.posted[tag].append((direct.irecv(buf, src, self.group(tag), tag, self.chunk_bytes), buf, src))
+        self.posted[tag].append((dist.irecv(buf, src=src, group=self.group(tag), tag=tag), buf, src))
 
     def take(self, tag: int) -> Tensor:
         """The oldest posted receive of a stream, once it has arrived; the wait is the exposed time.

@@ -70,7 +70,6 @@ class Overlap:
     chunks: int
     group: dist.ProcessGroup
     direct: bool = False  # collectives as direct sends (gloo, Mesh.direct_collectives)
-    chunk_bytes: int = 0  # their messages cut into pieces of this size (Mesh.direct_chunk_bytes)
 
 
 def overlap_settings(mesh: Mesh, chunks: int) -> Overlap | None:
@@ -78,7 +77,7 @@ def overlap_settings(mesh: Mesh, chunks: int) -> Overlap | None:
     if chunks <= 0 or mesh.tp == 1:
         return None
     group = create_groups([group_ranks(mesh.dp, mesh.pp, mesh.tp, "tp")], mesh.rank)[0]
-    return Overlap(chunks, group, mesh.direct_collectives, mesh.direct_chunk_bytes)
+    return Overlap(chunks, group, mesh.direct_collectives)
 
 
 def num_chunks(size: int, chunks: int) -> int:
@@ -102,7 +101,7 @@ class _Flight:
     The tensors stay referenced until their wait, so nothing in flight is freed under gloo."""
 
     def __init__(self, ov: Overlap):
-        self.group, self.direct, self.chunk_bytes, self.ops = ov.group, ov.direct, ov.chunk_bytes, []
+        self.group, self.direct, self.ops = ov.group, ov.direct, []
 
     def _issue(self, op: str, nbytes: int, collective, *tensors: Tensor) -> None:
         pending = timers.launch(op, "tp", "tp", nbytes=nbytes)
@@ -110,7 +109,7 @@ class _Flight:
 
     # out / inp (tp, ...) stacked by rank; gloo wants them concatenated, (tp * n0, ...): views
     def all_gather(self, out: Tensor, inp: Tensor) -> None:
-        if self.direct:  # gloo: full duplex (distributed/direct.py)
+        if self.direct:  # gloo: faster than its own (distributed/direct.py)
             self._direct("all_gather", _nbytes(out), start_all_gather, out, inp)
         else:
             self._issue("all_gather", _nbytes(out), dist.all_gather_single, out.flatten(0, 1), inp)
@@ -123,7 +122,7 @@ class _Flight:
 
     def _direct(self, op: str, nbytes: int, start, out: Tensor, inp: Tensor) -> None:
         pending = timers.launch(op, "tp", "tp", nbytes=nbytes)  # the exchange keeps its tensors itself
-        self.ops.append((pending, start(out, inp, self.group, chunk_bytes=self.chunk_bytes), ()))
+        self.ops.append((pending, start(out, inp, self.group), ()))
 
     def all_reduce(self, t: Tensor) -> None:
         self._issue("all_reduce", _nbytes(t), dist.all_reduce, t)
