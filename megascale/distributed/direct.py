@@ -51,7 +51,7 @@ def start_reduce_scatter(out: Tensor, inp: Tensor, group, tag: int = 0,
     peers = [r for r in range(n) if r != me]
     works = [dist.irecv(buf, src=ranks[r], group=group, tag=tag) for r, buf in zip(peers, inbox, strict=True)]
     works += [dist.isend(chunks[r], dst=ranks[r], group=group, tag=tag) for r in peers]
-    return Exchange(out, inbox, works, (inp, flat))
+    return Exchange(out, inbox, works, (inp, flat), _timeout(group))
 
 
 def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
@@ -69,20 +69,30 @@ def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
     peers = [r for r in range(n) if r != me]
     works = [dist.irecv(parts[r], src=ranks[r], group=group, tag=tag) for r in peers]
     works += [dist.isend(parts[me], dst=ranks[r], group=group, tag=tag) for r in peers]
-    return Exchange(out, [], works, (inp, out))
+    return Exchange(out, [], works, (inp, out), _timeout(group))
+
+
+def _timeout(group):
+    """The group's collective timeout (distributed.collective_timeout_s once training runs): a p2p
+    wait has none of its own, so a peer that stopped would hang the exchange instead of failing it."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):  # not gloo: its own waits keep the backend's timeout
+        return None
 
 
 class Exchange:
     """The messages of one exchange in flight; `wait` completes them (a reduce-scatter then sums its
     inbox into `out`). It keeps the input referenced until then, so nothing being sent is freed."""
 
-    def __init__(self, out: Tensor, inbox: list[Tensor], works: list, keep: tuple):
-        self.out, self.inbox, self.works, self._keep = out, inbox, works, keep
+    def __init__(self, out: Tensor, inbox: list[Tensor], works: list, keep: tuple, timeout=None):
+        self.out, self.inbox, self.works, self._keep, self.timeout = out, inbox, works, keep, timeout
 
     def wait(self, *_args, **_kwargs) -> bool:
         if self.works is not None:
             for w in self.works:
-                w.wait()
+                w.wait(self.timeout) if self.timeout is not None else w.wait()
             self.works = self._keep = None
             for buf in self.inbox:  # peers in rank order: the same sum on every run
                 self.out.add_(buf)
