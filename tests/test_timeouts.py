@@ -14,10 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.seq_len=16", "train.global_batch=8",
        "train.micro_batch=2", "train.eval_interval=0", "log.progress=false", "log.tensorboard=false",
-       "log.sample_tokens=0", "log.peak_flops=1e9", "checkpoint.interval=0", "parallel.dp=2",
+       "log.sample_tokens=0", "log.peak_flops=1e9", "checkpoint.interval=0",
        "distributed.timeout_s=120", "distributed.collective_timeout_s=6"]
 
 
@@ -36,12 +38,15 @@ def _job(tmp_path: Path, fault: str, *extra: str) -> tuple[subprocess.CompletedP
 
 def test_a_slow_dataset_preparation_is_not_a_collective_timeout(tmp_path):
     # rank 0 prepares the dataset 10 s longer than a training collective may wait; rank 1 waits for it
-    r, _ = _job(tmp_path, "delay@prepare:10:rank=0", "train.steps=3")
+    r, _ = _job(tmp_path, "delay@prepare:10:rank=0", "train.steps=3", "parallel.dp=2")
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def test_a_stuck_training_collective_fails_at_its_timeout_with_a_dump(tmp_path):
-    r, seconds = _job(tmp_path, "stop@step:2:rank=1", "train.steps=50", "observe.hang_timeout_s=300")
+@pytest.mark.parametrize("layout", ["parallel.dp=2", "parallel.pp=2"])
+def test_a_stuck_training_collective_fails_at_its_timeout_with_a_dump(tmp_path, layout):
+    """dp: rank 0 blocks in a collective (the direct param all-gather); pp: in a pipeline receive. Both
+    are p2p waits on gloo, which have no timeout of their own: they take the group's."""
+    r, seconds = _job(tmp_path, "stop@step:2:rank=1", "train.steps=50", "observe.hang_timeout_s=300", layout)
     assert r.returncode != 0
     assert seconds < 120  # the 6 s collective timeout, not the 300 s hang timeout nor a 30 min default
     dump = tmp_path / "run" / "trace" / "hang" / "rank_00000.json"

@@ -51,7 +51,7 @@ def start_reduce_scatter(out: Tensor, inp: Tensor, group, tag: int = 0,
     peers = [r for r in range(n) if r != me]
     works = [dist.irecv(buf, src=ranks[r], group=group, tag=tag) for r, buf in zip(peers, inbox, strict=True)]
     works += [dist.isend(chunks[r], dst=ranks[r], group=group, tag=tag) for r in peers]
-    return Exchange(out, inbox, works, (inp, flat), _timeout(group))
+    return Exchange(out, inbox, works, (inp, flat), p2p_timeout(group))
 
 
 def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
@@ -69,12 +69,15 @@ def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
     peers = [r for r in range(n) if r != me]
     works = [dist.irecv(parts[r], src=ranks[r], group=group, tag=tag) for r in peers]
     works += [dist.isend(parts[me], dst=ranks[r], group=group, tag=tag) for r in peers]
-    return Exchange(out, [], works, (inp, out), _timeout(group))
+    return Exchange(out, [], works, (inp, out), p2p_timeout(group))
 
 
-def _timeout(group):
-    """The group's collective timeout (distributed.collective_timeout_s once training runs): a p2p
-    wait has none of its own, so a peer that stopped would hang the exchange instead of failing it."""
+def p2p_timeout(group):
+    """The group's collective timeout (distributed.collective_timeout_s once training runs), for
+    waits on its isend/irecv: gloo's p2p wait has none of its own, so a peer that stopped would hang
+    the wait instead of failing it (the pipeline's receives use it too). None: the backend's own."""
+    if group is None and not dist.is_initialized():  # one pipeline stage, one process: no waits
+        return None
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
         return group._get_backend(torch.device("cpu")).options._timeout

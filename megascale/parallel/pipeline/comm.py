@@ -29,6 +29,10 @@ The blocking baseline keeps op order, unpaired: under NCCL, pp = 2 interleaved w
 (or the same plan with depth 0, which posts nothing early but what the order needs). Gloo needs
 neither group nor order, so it gets the second group only when asked (Mesh.build's p2p_groups:
 the tests), and its start-up stays the one distributed/traffic.py models.
+
+Every wait is bounded by the group's collective timeout (distributed.collective_timeout_s):
+gloo's p2p waits have none, and a stage whose neighbour stopped would otherwise hang in a
+receive until the hang watchdog, instead of failing the step at once, as a collective does.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megascale.distributed.direct import p2p_timeout
 from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
@@ -51,11 +56,12 @@ class P2P:
 
     def __init__(self, mesh: Mesh, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
         self.mesh, self.shape, self.dtype, self.device = mesh, shape, dtype, device
-        self.pending: list[tuple[dist.Work, Tensor, object]] = []  # the tensors stay alive until sent
+        self.pending: list[tuple[_Bounded, Tensor, object]] = []  # the tensors stay alive until sent
         # per stream (tag), the receives posted ahead, oldest first: (work, buffer, source)
-        self.posted: dict[int, deque[tuple[dist.Work, Tensor, int]]] = {FORWARD_TAG: deque(),
+        self.posted: dict[int, deque[tuple[_Bounded, Tensor, int]]] = {FORWARD_TAG: deque(),
                                                                         BACKWARD_TAG: deque()}
         self.wait_s = 0.0
+        self.timeout = {tag: p2p_timeout(self.group(tag)) for tag in (FORWARD_TAG, BACKWARD_TAG)}
 
     def group(self, tag: int) -> dist.ProcessGroup | None:
         """The communicator of a direction: the backward one where the mesh has it (NCCL)."""
@@ -66,7 +72,8 @@ class P2P:
     def send(self, tensor: Tensor, dst: int, tag: int) -> None:
         buf = tensor.detach().to(self.dtype).contiguous()
         timed = timers.launch("send", "pp", "pp", peer=dst, tag=tag, nbytes=buf.numel() * buf.element_size())
-        self.pending.append((dist.isend(buf, dst=dst, group=self.group(tag), tag=tag), buf, timed))
+        work = _Bounded(dist.isend(buf, dst=dst, group=self.group(tag), tag=tag), self.timeout[tag])
+        self.pending.append((work, buf, timed))
 
     def send_lazily(self, tensor: Tensor, dst: int, tag: int) -> None:
         """`send`, after letting go of the sends already done (their buffers may be freed)."""
@@ -78,14 +85,15 @@ class P2P:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         t0 = time.perf_counter()
         with timers.comm("recv", "pp", "pp", peer=src, tag=tag, nbytes=buf.numel() * buf.element_size()):
-            dist.irecv(buf, src=src, group=self.group(tag), tag=tag).wait()
+            _Bounded(dist.irecv(buf, src=src, group=self.group(tag), tag=tag), self.timeout[tag]).wait()
         self.wait_s += time.perf_counter() - t0
         return buf
 
     def post(self, src: int, tag: int) -> None:
         """Post the next receive of a stream ahead of the op that takes it."""
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.posted[tag].append((dist.irecv(buf, src=src, group=self.group(tag), tag=tag), buf, src))
+        work = _Bounded(dist.irecv(buf, src=src, group=self.group(tag), tag=tag), self.timeout[tag])
+        self.posted[tag].append((work, buf, src))
 
     def take(self, tag: int) -> Tensor:
         """The oldest posted receive of a stream, once it has arrived; the wait is the exposed time.
@@ -111,7 +119,23 @@ class P2P:
         self.wait_s += time.perf_counter() - t0
 
 
-def _reaped(pending: tuple[dist.Work, Tensor, object]) -> bool:
+class _Bounded:
+    """A p2p Work whose wait fails at `timeout` (a timedelta; None: the backend's own) instead of
+    blocking for ever on a peer that stopped."""
+
+    __slots__ = ("work", "timeout")
+
+    def __init__(self, work: dist.Work, timeout):
+        self.work, self.timeout = work, timeout
+
+    def wait(self, *_args, **_kwargs) -> bool:
+        return self.work.wait(self.timeout) if self.timeout is not None else self.work.wait()
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _reaped(pending: tuple[_Bounded, Tensor, object]) -> bool:
     """Close a send's span if the backend says it completed (which never blocks)."""
     work, _, timed = pending
     if not work.is_completed():
