@@ -81,6 +81,26 @@ def test_spans_comm_and_async_ops_are_recorded(tmp_path):
     assert t.header["coords"] == {"dp": 0, "pp": 0, "tp": 0} and t.header["groups"]["tp"] == [0, 1]
 
 
+def test_an_async_op_belongs_to_the_step_that_waited_for_it(tmp_path):
+    # dp_overlap_param_gather: the gather is issued after step 3's update, waited for in step 4's forward
+    rec = _recorder(tmp_path)
+    timers.install(rec)
+    try:
+        rec.set_step(3)
+        with timers.span("optimizer"):
+            pass
+        pending = timers.launch("all_gather", "dp", "world", nbytes=64)
+        rec.set_step(4)
+        with timers.span("forward"):
+            pending.wait(_Work(0.002))
+    finally:
+        timers.install(None)
+        rec.close()
+    by_op = {e.op: e for e in read_rank(tmp_path / "trace" / "rank_00000.jsonl").events}
+    assert by_op["optimizer"].step == 3
+    assert by_op["all_gather"].step == 4 and by_op["all_gather"].t0 <= by_op["forward"].t0
+
+
 def test_inflight_record_shows_the_op_in_progress(tmp_path):
     rec = _recorder(tmp_path)
     try:

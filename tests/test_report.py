@@ -102,6 +102,15 @@ def test_comm_wait_inside_compute_is_not_counted_twice():
     assert row["other"] == pytest.approx(0)
 
 
+def test_an_async_op_issued_in_the_step_before_does_not_stretch_the_wall():
+    # a parameter all-gather issued 40 ms before this step began (after the last update), 3 ms of it
+    # waited for inside this step's forward: the step runs 0 .. 20, as without it
+    row = one_step([ev("all_gather", "dp", -40, 45, blocked_ms=3), ev("forward", "compute", 0, 20)])
+    assert row["wall"] * 1e3 == pytest.approx(20)
+    assert row["exposed_dp"] * 1e3 == pytest.approx(3)
+    assert row["compute"] * 1e3 == pytest.approx(17)
+
+
 def test_steps_median_max_and_slowest():
     fast = [e for s in range(4) for e in one_rank_step(s, base=100 * s)]
     slow = [e for s in range(4) for e in one_rank_step(s, base=100 * s, fwd=20 + (50 if s == 0 else 6))]

@@ -15,7 +15,11 @@ Categories, in seconds of one step on one rank (they add up to the step's wall t
 * other: the rest of the wall time (Python overhead, launches, anything not timed).
 
 A step's wall time runs from its first event's start to its last event's end on that rank;
-stage 2 of a checkpoint ("persist") runs on a background thread and is left out of it.
+stage 2 of a checkpoint ("persist") runs on a background thread and is left out of it. An
+asynchronous collective (issued at its span's start, waited for at its end) takes its place in
+the step by its wait alone: a parameter all-gather issued after one step's update and waited
+for in the next step's forward (dp_overlap_param_gather; observe.timers records it under the
+waiting step) must not stretch that step back into the one before.
 """
 
 from __future__ import annotations
@@ -82,6 +86,14 @@ def wait_interval(e: Event) -> Interval | None:
     return None
 
 
+def on_thread(e: Event) -> Interval:
+    """The stretch of `e` that is the training thread's own: an asynchronous comm op's wait (it
+    ran in the background from its issue until then), any other span whole."""
+    if e.stream in COMM_STREAMS and e.blocked < e.dur:
+        return (e.t1 - e.blocked, e.t1)
+    return (e.t0, e.t1)
+
+
 def category(e: Event) -> str | None:
     """The waiting category an event's blocked time belongs to (None: not a wait)."""
     if e.stream == "pp":
@@ -108,7 +120,8 @@ def one_step(events: list[Event]) -> dict[str, float]:
         out[cat] += (w[1] - w[0]) / NS
     busy = union((e.t0, e.t1) for e in timed if e.stream == "compute" and e.op in COMPUTE_OPS)
     out["compute"] = (length(busy) - overlap(busy, union(waits))) / NS
-    wall = (max(e.t1 for e in timed) - min(e.t0 for e in timed)) / NS
+    extents = [on_thread(e) for e in timed]
+    wall = (max(b for _, b in extents) - min(a for a, _ in extents)) / NS
     # Waits that overlap each other (none on one training thread) could make this negative.
     out["other"] = max(0.0, wall - sum(out[c] for c in CATEGORIES if c != "other"))
     out["wall"] = wall

@@ -149,15 +149,19 @@ class _Comm:
 
 class _Pending:
     """An asynchronous op (DP bucket reduce-scatter / all-gather, a pipeline isend): issued at
-    construction, its span ends when `wait` returns; only the wait counts as blocked."""
+    construction, its span ends when `wait` returns; only the wait counts as blocked.
 
-    __slots__ = ("rec", "op", "stream", "group", "peer", "tag", "nbytes", "t0", "seq", "step")
+    It is recorded under the step whose training thread waited for it, not the one that issued
+    it: a parameter all-gather launched after step k's update (dp_overlap_param_gather) and
+    waited for in step k+1's forward is step k+1's exposed communication, and step k ends at its
+    update (observe/breakdown.py takes an async op's wait, not its issue, as its place in a step)."""
+
+    __slots__ = ("rec", "op", "stream", "group", "peer", "tag", "nbytes", "t0", "seq")
 
     def __init__(self, rec, op, stream, group, peer, tag, nbytes):
         self.rec, self.op, self.stream, self.group = rec, op, stream, group
         self.peer, self.tag, self.nbytes = peer, tag, nbytes
         self.t0 = time.monotonic_ns()
-        self.step = rec.step
         self.seq = rec.inflight.issue(group, peer, tag)
 
     def wait(self, work=None) -> None:
@@ -170,7 +174,7 @@ class _Pending:
         t1 = time.monotonic_ns()
         rec.blocked_total += t1 - tw
         rec.bytes_moved += self.nbytes
-        rec._buf.append((self.op, self.stream, self.t0, t1 - self.t0, self.step, -1, -1, self.group, self.seq,
+        rec._buf.append((self.op, self.stream, self.t0, t1 - self.t0, rec.step, -1, -1, self.group, self.seq,
                          self.peer, t1 - tw, self.nbytes, self.tag))
         rec._added += 1
 
