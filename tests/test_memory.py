@@ -44,6 +44,9 @@ def allocated(model, parallel: ParallelConfig, mesh: Mesh, dtype) -> dict[str, i
         "params": sum(b.untyped_storage().nbytes() for b in opt.buffers.param_buffers.values()),
         "grads": sum(b.untyped_storage().nbytes() for b in opt.buffers.grad_buffers.values()),
         "optimizer": sum(t.untyped_storage().nbytes() for t in state),
+        # the direct reduce-scatter's receive buffers (gloo), kept by each bucket
+        "comm_buffers": sum(t.untyped_storage().nbytes() for b in opt.buffers.buckets
+                            for t in b._inbox or []),
     }
 
 
@@ -68,8 +71,9 @@ def pool():
 
 def _check_states(got: dict, want) -> None:
     print(f"\nallocated {got}, predicted params {want.params}, grads {want.grads}, "
-          f"optimizer {want.optimizer}")
-    assert got == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer}
+          f"optimizer {want.optimizer}, comm buffers {want.comm_buffers}")
+    assert got == {"params": want.params, "grads": want.grads, "optimizer": want.optimizer,
+                   "comm_buffers": want.comm_buffers}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])

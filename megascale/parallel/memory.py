@@ -10,6 +10,9 @@ to dp included). tests/test_memory.py checks every figure against a run's real s
 * optimizer: this rank's shard of two moments (AdamW and LAMB alike) plus one float32
   `step` scalar per tensor. Parameters are fp32 (or fp64), so the parameter shard is the
   master copy: no separate master bytes (see data/optimizer.py).
+* comm_buffers: on gloo with parallel.direct_collectives, the receive buffers each bucket's
+  reduce-scatter keeps from step to step (distributed/direct.py): dp - 1 shards of it, so
+  (dp - 1) / dp of the gradient buffer. NCCL's own reduce-scatter needs none.
 * activations: what autograd keeps from the forward for the backward of one micro-batch
   (counted per token, as the tensors our eager GPT saves; Korthikanti et al. 2022's terms
   plus norm statistics, the attention's log-sum-exp and the loss's log-probabilities),
@@ -39,12 +42,13 @@ class RankMemory:
     params: int  # bytes
     grads: int
     optimizer: int
+    comm_buffers: int  # the direct reduce-scatter's receive buffers (gloo)
     activations: int  # held when backward starts (recompute: block inputs only)
     activations_recompute_peak: int  # recompute: plus one block rebuilt in full during backward
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations
+        return self.params + self.grads + self.optimizer + self.comm_buffers + self.activations
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total": self.total}
@@ -120,8 +124,10 @@ def memory_per_rank(
     recompute: bool | None = None,
     stage: int = 0,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
+    backend: str = "gloo",
 ) -> RankMemory:
-    """Bytes one rank of pipeline stage `stage` holds under the distributed optimizer."""
+    """Bytes one rank of pipeline stage `stage` holds under the distributed optimizer, on the
+    process-group `backend` (gloo: the direct reduce-scatter's buffers, see Mesh.build)."""
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"memory_per_rank: parameters are float32 or float64, got {dtype}")
     recompute = cfg.recompute if recompute is None else recompute
@@ -129,6 +135,7 @@ def memory_per_rank(
     numels, first_deferred = stage_numels(cfg, parallel, stage)
     buffer = plan_buckets(numels, bucket_size, parallel.dp, first_deferred, parallel.dp_tail_buckets)[-1][1]
     shard = buffer // parallel.dp
+    direct = parallel.direct_collectives and backend == "gloo"
     tokens = micro_batch * cfg.seq_len
     block, edge, block_input = activation_bytes_per_token(cfg, parallel.tp, wb)
     n_blocks = len(stage_blocks(cfg.n_layers, parallel.pp, stage))
@@ -143,6 +150,7 @@ def memory_per_rank(
         params=buffer * wb,
         grads=buffer * wb,
         optimizer=2 * shard * wb + 4 * len(numels),
+        comm_buffers=(parallel.dp - 1) * shard * wb if direct else 0,
         activations=round(act),
         activations_recompute_peak=round(peak),
     )

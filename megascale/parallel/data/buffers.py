@@ -28,6 +28,13 @@ gradient needs another collective first (`deferred`: a pipeline's two copies of 
 summed across stages) sit at the end of the buffer, are never launched by the hook, and go in
 `finish_grad_sync` after that collective, so they do not hold back the buckets before them.
 
+Why the buffer's last bucket's worth is cut finer (`tail_buckets`, parallel.dp_tail_buckets): those
+elements hold the gradients backward completes last, whose reduce-scatter nothing is left to hide,
+and the parameters the next forward needs first, whose gather it waits for; smaller buckets there
+shrink both exposed pieces. On gloo both collectives go as direct sends (distributed/direct.py,
+Mesh.direct_collectives): gloo's reduce-scatter is an all-reduce (twice the bytes), and each bucket
+keeps the receive buffers of its first exchange, dp - 1 shards, from step to step.
+
 Why the all-gather of the updated parameters may run into the next step
 (`start_param_gather`, MegaScale's parameter prefetch): every bucket's all-gather is launched
 right after the optimizer step, in the order the forward consumes the buckets (the reverse of
