@@ -32,12 +32,15 @@ slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 planner's step time per row twice. Both use the links' tbf rate and veth's latency. "planner" adds what
 a message costs the host's CPU (gloo's copies, the kernel's TCP work), fitted here on 2-rank
 all-gathers of three sizes, all pairs at once, from the machine's busy time: 8 ranks share 2 cores,
-so that CPU competes with the compute, and perf/step.py bounds the step by the sum (`cpu_bound`).
+so that CPU competes with the compute, and perf/step.py bounds the step by the sum (`rank_cpu_seconds`).
 "nominal" leaves it out, as a GPU cluster's NICs and copy engines do. The table also gives each row's
 machine CPU-seconds per step and how busy the cores were, and then each row's step split by cause
 (compute, tp, pp, dp, other; the planner's "cpu" column is its CPU bound's excess over its timeline)
-as the timers measured it and as the planner has it. `--dims` with no dimension runs the ablation
-alone.
+as the timers measured it and as the planner has it, and last each row's CPU-seconds per step: the
+machine's, the ranks' own (their threads and system calls: nearly all of the machine's, softirq
+included), the ranks' again with every dp, pp and tp collective a no-op (`a.steps` more steps), and
+the planner's (all, and its compute alone). That last table says where the planner's error lies.
+`--dims` with no dimension runs the ablation alone.
 
 Needs root (namespaces, tc); where they cannot be made it says why and exits 0.
 """
@@ -306,6 +309,14 @@ def machine_busy_s() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def process_cpu_s() -> float:
+    """CPU-seconds of this process, all its threads (gloo's included), user and system."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
 def measured_parts(run_dir: str) -> dict[str, float]:
     """Where the slowest rank's median step went, from the run's timers, in the planner's terms."""
     from megascale.observe.breakdown import step_breakdown
@@ -331,19 +342,34 @@ def ablation_worker(a: argparse.Namespace) -> None:
     from megascale.train import Trainer
 
     torch.set_num_threads(1)
-    rows = []
+    rows, wrapper = [], Collectives(set())
+
+    def ranks_cpu_s(seconds: float) -> float:
+        """The sum over all ranks of a per-rank figure (world group: never a no-op)."""
+        t = torch.tensor([seconds], dtype=torch.float64)
+        wrapper.real["all_reduce"](t)
+        return float(t)
+
     for name, args in ablation_rows(a, a.base):
         trainer = Trainer(load_config(None, args), quiet=True)
         for _ in range(a.warmup):
             trainer.train_step()
-        busy0, t0 = machine_busy_s(), time.monotonic()
+        busy0, t0, own0 = machine_busy_s(), time.monotonic(), process_cpu_s()
         stats = [trainer.train_step() for _ in range(a.steps)]
-        busy, wall = machine_busy_s() - busy0, time.monotonic() - t0
+        busy, wall, own = machine_busy_s() - busy0, time.monotonic() - t0, process_cpu_s() - own0
+        # the same steps with every dp, pp and tp collective a no-op: the ranks' CPU without communication
+        wrapper.groups = dim_groups(trainer.engine, ("dp", "pp", "tp"))
+        wrapper.mode, own0, t0 = "nocomm", process_cpu_s(), time.monotonic()
+        bare = [trainer.train_step() for _ in range(a.steps)]
+        wrapper.mode, bare_own = "pass", process_cpu_s() - own0
         trainer.close()
         rows.append({"row": name, "step_s": statistics.median(x.step_time for x in stats),
                      "tokens_per_s": statistics.median(x.tokens_per_s for x in stats),
                      "mfu": statistics.median(x.mfu for x in stats),
-                     "cpu_s": busy / a.steps, "busy": busy / (wall * (os.cpu_count() or 1))})
+                     "cpu_s": busy / a.steps, "busy": busy / (wall * (os.cpu_count() or 1)),
+                     "ranks_cpu_s": ranks_cpu_s(own / a.steps),
+                     "nocomm_ranks_cpu_s": ranks_cpu_s(bare_own / a.steps),
+                     "nocomm_step_s": statistics.median(x.step_time for x in bare)})
     link = measure_link([[r, r + 1] for r in range(0, 8, 2)])  # the layout's tp pairs (adjacent ranks)
     if int(os.environ["RANK"]) == 0:
         print("RESULT " + json.dumps({"rows": rows, "link": link}), flush=True)
@@ -410,8 +436,8 @@ def worker(a: argparse.Namespace) -> None:
         breakdown = step_breakdown(traces)
         steps = [s for s in breakdown["steps"] if s in set(timed[variant])]
         rows[variant] = [breakdown["max"][s] for s in steps]
-        # The step is Trainer.train_step's time (it ends in an all-reduce: the same on every rank). Not
-        # the trace's "wall": a gather launched by one step and waited for in the next spans both.
+        # The step is Trainer.train_step's time (it ends in an all-reduce: the same on every rank), not
+        # one rank's wall from its trace, which ends at that rank's last span.
         out[variant] = {k: statistics.median(r[k] for r in rows[variant]) for k in rows[variant][0]}
         out[variant]["step"] = statistics.median(times[variant])
         out[variant]["steady_p2p"] = steady_p2p_wait(traces, steps)
@@ -582,6 +608,15 @@ def main() -> int:
                 got, want = measured_parts(str(Path(base) / f"ablation-{i}")), planned_parts(plan)
                 cells = " ".join(f"{got[k]:.3f}/{want[k]:.3f}".rjust(13) for k in parts)
                 print(f"{r['row']:18} {cells} {want['cpu']:11.3f}", flush=True)
+            # where the machine's CPU goes: the ranks' own (their threads, their system calls), the rest
+            # (the kernel's softirq work for veth and tbf), and what the ranks spend without communication
+            print(f"\nCPU-s per step      {'machine':>7} {'ranks':>6} {'no comm':>7} {'planner':>7} "
+                  f"{'compute':>7} {'step no comm':>12}")
+            for r, plan in zip(rows, planned, strict=True):
+                cpu = {k: 8 * v for k, v in (plan.cpu_seconds or {}).items()}  # all 8 ranks
+                print(f"{r['row']:18} {r['cpu_s']:7.2f} {r['ranks_cpu_s']:6.2f} "
+                      f"{r['nocomm_ranks_cpu_s']:7.2f} {sum(cpu.values()):7.2f} {cpu.get('compute', 0):7.2f} "
+                      f"{r['nocomm_step_s']:12.3f}", flush=True)
     return 0
 
 

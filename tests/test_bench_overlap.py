@@ -39,6 +39,10 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     split = r" +[\d.]+/[\d.]+" * 5 + r" +-?[\d.]+$"
     rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + split, r.stdout, re.M)
     assert len(rows) == 7 and rows[0] == "baseline", r.stdout
+    # each row's CPU-seconds: the machine's, the ranks', the ranks' with no communication, the planner's
+    # (all, compute), and the step with no communication
+    rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + r" +[\d.]+" * 6 + "$", r.stdout, re.M)
+    assert len(rows) == 7 and rows[0] == "baseline", r.stdout
     assert set(netns.namespaces()) <= before  # torn down
 
 

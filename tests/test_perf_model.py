@@ -208,7 +208,7 @@ def test_a_preset_links_cpu_cost_is_read_and_checked(tmp_path):
         load_preset(str(mine), use_calibration=False)
 
 
-# ---- the CPU a shared node's ranks need (perf/step.py cpu_bound) ------------------------------
+# ---- the CPU a shared node's ranks need (perf/step.py rank_cpu_seconds) ---------------------
 
 
 def _shared_node(cpu_s_per_message: float, cpu_s_per_byte: float, shared: bool = True):
@@ -234,6 +234,7 @@ def test_ranks_sharing_cores_are_bounded_by_their_compute_and_messages_cpu():
     comm = per_layer * cfg.n_layers * free.micro_batches + 2 * (1e-3 + 8 / 2 * 1e-9)
     compute = (free.breakdown.compute + free.breakdown.optimizer) / 2  # the timeline gives each half
     assert busy.step_time == pytest.approx(2 * (compute + comm))
+    assert busy.cpu_seconds == pytest.approx({"compute": compute, "comm": comm}) and free.cpu_seconds is None
     assert busy.breakdown.cpu_contention == pytest.approx(busy.step_time - free.step_time)
     from megascale.perf.report import explain
     assert "cpu contention" in explain(busy) and "cpu contention" not in explain(free)  # plan --explain

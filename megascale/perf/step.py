@@ -93,6 +93,9 @@ class Prediction:
     comm_total: dict[str, float] = field(
         default_factory=dict
     )  # all traffic time per dimension, hidden or not
+    # shared_compute with links that cost CPU only: the busiest rank's CPU-seconds of a step at a
+    # whole core, {"compute": ..., "comm": ...}, whose sum over the node's ranks bounds the step
+    cpu_seconds: dict[str, float] | None = None
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -211,7 +214,9 @@ def predict(
     parts = _parts(cfg, lay, preset, settings, m, policy)
     tl = pipeline.simulate(parts.spec)
     timeline = tl.makespan + parts.optimizer + parts.other
-    step = max(timeline, cpu_bound(cfg, lay, preset, settings, m, policy, parts, tl))
+    cpu = rank_cpu_seconds(cfg, lay, preset, settings, m, policy, parts, tl)
+    k = min(lay.world, preset.devices_per_node)
+    step = max(timeline, k * sum(cpu.values())) if cpu else timeline
     tokens = global_batch * cfg.seq_len
     mfu = model_flops_per_token(cfg) * tokens / (step * lay.world * preset.peak_flops)
 
@@ -223,32 +228,37 @@ def predict(
     )  # fmt: skip
     fits = mem.total <= USABLE_MEMORY_FRACTION * preset.memory_bytes
     pred = Prediction(lay, settings, global_batch, m, step, tokens / step, mfu, mem, fits,
-                      comm_total=parts.comm_total)  # fmt: skip
+                      comm_total=parts.comm_total, cpu_seconds=cpu)  # fmt: skip
     if explain:
         pred.breakdown = _breakdown(parts, tl, timeline)
         pred.breakdown.cpu_contention = step - timeline
     return pred
 
 
-def cpu_bound(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m: int, policy: str,
-              parts: _Parts, tl: pipeline.Timeline) -> float:
-    """The step time the node's cores allow when its ranks share them (`shared_compute`) and their
-    links cost host CPU (`Link.cpu_s_per_message`, `cpu_s_per_byte`); 0 otherwise.
+def rank_cpu_seconds(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m: int,
+                     policy: str, parts: _Parts, tl: pipeline.Timeline) -> dict[str, float] | None:
+    """The busiest rank's CPU-seconds of one step at a whole core, {"compute", "comm"}, when the
+    node's ranks share its cores (`shared_compute`) and its links cost host CPU
+    (`Link.cpu_s_per_message`, `cpu_s_per_byte`); None otherwise.
 
     The timeline gives each rank 1/k of the node and charges nothing for moving data, but gloo's
     copies and the kernel's TCP work run on the same cores, and a collective's wait for a peer that
     is not scheduled is that peer's CPU work. So the step is at least the sum over the node's k
-    ranks of each one's CPU seconds: its compute at the whole node's speed plus its messages'."""
+    ranks of these: `predict` bounds it by k times their sum."""
     if not preset.shared_compute or not (preset.intra.cpu_link or preset.inter.cpu_link):
-        return 0.0
+        return None
     free = Link(bandwidth=float("inf"))
     as_cpu = dataclasses.replace(preset, intra=preset.intra.cpu_link or free,
                                  inter=preset.inter.cpu_link or free)
     cpu = _parts(cfg, lay, as_cpu, st, m, policy)  # its "times" of collectives are CPU seconds
-    comm = sum(cpu.comm_total.values()) + cpu.other
-    k = min(lay.world, preset.devices_per_node)
-    compute = max(tl.busy) - parts.per_stage_tp_exposed * m + parts.optimizer  # at a 1/k share
-    return k * (compute * preset.device_share(k) + comm)
+    share = preset.device_share(min(lay.world, preset.devices_per_node))
+    return {"compute": _rank_compute(parts, tl) * share, "comm": sum(cpu.comm_total.values()) + cpu.other}
+
+
+def _rank_compute(parts: _Parts, tl: pipeline.Timeline) -> float:
+    """The busiest rank's compute seconds of a step: its timeline's busy time less the TP
+    communication exposed in it, and the optimizer."""
+    return max(tl.busy) - parts.per_stage_tp_exposed * parts.spec.m + parts.optimizer
 
 
 def _breakdown(parts: _Parts, full: pipeline.Timeline, step: float) -> Breakdown:
@@ -261,7 +271,7 @@ def _breakdown(parts: _Parts, full: pipeline.Timeline, step: float) -> Breakdown
     busiest = max(full.busy)
     tp_exp = parts.per_stage_tp_exposed * spec.m
     return Breakdown(
-        compute=busiest - tp_exp,
+        compute=_rank_compute(parts, full) - parts.optimizer,
         tp_exposed=tp_exp,
         bubble=t_bare - busiest,
         pp_exposed=t_no_dp - t_bare,
