@@ -28,7 +28,8 @@ slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
     sudo .venv/bin/python benchmarks/overlap.py [--dims dp pp tp all] [--mbit 1000] [--rounds 3] [--ablation]
 
-`--ablation` adds MegaScale's table (its rows cumulative on dp2 x pp2 x tp2, 8 hosts) with the
+`--ablation` adds MegaScale's table (its rows cumulative on dp2 x pp2 x tp2, 8 hosts; the rows' Trainers
+side by side, taking turns `--ablation-rounds` times as the variants do) with the
 planner's step time per row twice. Both use the links' tbf rate and veth's latency. "planner" adds what
 a message costs the host's CPU (gloo's copies, the kernel's TCP work), fitted here on 2-rank
 all-gathers of three sizes, all pairs at once, from the machine's busy time: 8 ranks share 2 cores,
@@ -317,12 +318,18 @@ def process_cpu_s() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def measured_parts(run_dir: str) -> dict[str, float]:
-    """Where the slowest rank's median step went, from the run's timers, in the planner's terms."""
+def measured_parts(run_dir: str, steps: list[int]) -> dict[str, float]:
+    """Where the slowest rank's median step went, over the given steps of a run, from its timers, in
+    the planner's terms (the slowest rank: the largest median wall time over those steps)."""
     from megascale.observe.breakdown import step_breakdown
     from megascale.observe.trace import read_run
 
-    row = step_breakdown(read_run(run_dir))["median"]["slowest"]
+    medians = []
+    for rows in step_breakdown(read_run(run_dir))["ranks"].values():  # {rank: {step: row}}
+        mine = [rows[s] for s in steps if s in rows]
+        if mine:
+            medians.append({k: statistics.median(x[k] for x in mine) for k in mine[0]})
+    row = max(medians, key=lambda m: m["wall"])
     return {"compute": row["compute"], "tp": row["exposed_tp"], "pp": row["exposed_pp"] + row["bubble"],
             "dp": row["exposed_dp"], "other": row["data"] + row["checkpoint"] + row["other"]}
 
@@ -334,45 +341,74 @@ def planned_parts(prediction) -> dict[str, float]:
 
 
 def ablation_worker(a: argparse.Namespace) -> None:
-    """On every rank: the ablation's rows one after another; rank 0 prints each row's medians."""
+    """On every rank: the ablation's rows; rank 0 prints each row's medians.
+
+    As the dimensions' variants do, the rows' Trainers live side by side and take turns, round after
+    round, so that the machine's drift (the same row's step moved by 18% between two runs minutes
+    apart) falls on every row alike and the rows' ratios to the baseline mean something. A row's turn
+    is a hand-over step (not timed), `--steps` timed steps, and as many again with every dp, pp and tp
+    collective a no-op (the ranks' CPU without communication)."""
     import torch
 
     from megascale.config import load_config
     from megascale.distributed.init import shutdown_distributed
+    from megascale.observe import timers
     from megascale.train import Trainer
 
     torch.set_num_threads(1)
-    rows, wrapper = [], Collectives(set())
+    wrapper = Collectives(set())
 
-    def ranks_cpu_s(seconds: float) -> float:
+    def ranks_sum(seconds: float) -> float:
         """The sum over all ranks of a per-rank figure (world group: never a no-op)."""
         t = torch.tensor([seconds], dtype=torch.float64)
         wrapper.real["all_reduce"](t)
         return float(t)
 
-    for name, args in ablation_rows(a, a.base):
-        trainer = Trainer(load_config(None, args), quiet=True)
-        for _ in range(a.warmup):
-            trainer.train_step()
-        busy0, t0, own0 = machine_busy_s(), time.monotonic(), process_cpu_s()
-        stats = [trainer.train_step() for _ in range(a.steps)]
-        busy, wall, own = machine_busy_s() - busy0, time.monotonic() - t0, process_cpu_s() - own0
-        # the same steps with every dp, pp and tp collective a no-op: the ranks' CPU without communication
-        wrapper.groups = dim_groups(trainer.engine, ("dp", "pp", "tp"))
-        wrapper.mode, own0, t0 = "nocomm", process_cpu_s(), time.monotonic()
-        bare = [trainer.train_step() for _ in range(a.steps)]
-        wrapper.mode, bare_own = "pass", process_cpu_s() - own0
+    rows = ablation_rows(a, a.base)
+    trainers = [Trainer(load_config(None, args), quiet=True) for _, args in rows]
+    groups = [dim_groups(t.engine, ("dp", "pp", "tp")) for t in trainers]
+    got = [{"stats": [], "nocomm": [], "steps": [], "busy": 0.0, "wall": 0.0, "own": 0.0, "bare_own": 0.0}
+           for _ in rows]
+
+    def steps(i: int, n: int, nocomm: bool = False) -> list:
+        trainer = trainers[i]
+        timers.install(trainer.observer.recorder)
+        wrapper.groups, wrapper.mode = groups[i], "nocomm" if nocomm else "pass"
+        try:
+            return [trainer.train_step() for _ in range(n)]
+        finally:
+            wrapper.mode = "pass"
+
+    for i in range(len(rows)):
+        steps(i, a.warmup)
+    for _ in range(a.ablation_rounds):
+        for i, g in enumerate(got):
+            steps(i, 1)  # the hand-over: it waits for what the row before left on the wire
+            busy0, t0, own0 = machine_busy_s(), time.monotonic(), process_cpu_s()
+            g["stats"] += steps(i, a.steps)
+            g["busy"] += machine_busy_s() - busy0
+            g["wall"] += time.monotonic() - t0
+            g["own"] += process_cpu_s() - own0
+            g["steps"] += list(range(trainers[i].step - a.steps, trainers[i].step))  # the traces' numbers
+            own0 = process_cpu_s()
+            g["nocomm"] += steps(i, a.steps, nocomm=True)
+            g["bare_own"] += process_cpu_s() - own0
+    out = []
+    for (name, _), g, trainer in zip(rows, got, trainers, strict=True):
+        timers.install(trainer.observer.recorder)
         trainer.close()
-        rows.append({"row": name, "step_s": statistics.median(x.step_time for x in stats),
-                     "tokens_per_s": statistics.median(x.tokens_per_s for x in stats),
-                     "mfu": statistics.median(x.mfu for x in stats),
-                     "cpu_s": busy / a.steps, "busy": busy / (wall * (os.cpu_count() or 1)),
-                     "ranks_cpu_s": ranks_cpu_s(own / a.steps),
-                     "nocomm_ranks_cpu_s": ranks_cpu_s(bare_own / a.steps),
-                     "nocomm_step_s": statistics.median(x.step_time for x in bare)})
+        n = len(g["stats"])
+        out.append({"row": name, "step_s": statistics.median(x.step_time for x in g["stats"]),
+                    "tokens_per_s": statistics.median(x.tokens_per_s for x in g["stats"]),
+                    "mfu": statistics.median(x.mfu for x in g["stats"]),
+                    "cpu_s": g["busy"] / n, "busy": g["busy"] / (g["wall"] * (os.cpu_count() or 1)),
+                    "ranks_cpu_s": ranks_sum(g["own"] / n),
+                    "nocomm_ranks_cpu_s": ranks_sum(g["bare_own"] / n),
+                    "nocomm_step_s": statistics.median(x.step_time for x in g["nocomm"]),
+                    "steps": g["steps"]})
     link = measure_link([[r, r + 1] for r in range(0, 8, 2)])  # the layout's tp pairs (adjacent ranks)
     if int(os.environ["RANK"]) == 0:
-        print("RESULT " + json.dumps({"rows": rows, "link": link}), flush=True)
+        print("RESULT " + json.dumps({"rows": out, "link": link}), flush=True)
     shutdown_distributed()
 
 
@@ -523,6 +559,7 @@ def main() -> int:
     p.add_argument("--mbit", type=float, default=1000.0, help="each host's link, tc tbf")
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant and turn")
     p.add_argument("--rounds", type=int, default=6, help="rounds of the variants' turns")
+    p.add_argument("--ablation-rounds", type=int, default=3, help="rounds of the ablation rows' turns")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -552,8 +589,8 @@ def main() -> int:
         worker(a)
         return 0
     a.forward = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
-                 ("steps", "rounds", "warmup", "layers", "d_model", "seq", "batch", "micro", "dp_micro",
-                  "bucket", "tail_buckets", "tp_chunks")]
+                 ("steps", "rounds", "ablation_rounds", "warmup", "layers", "d_model", "seq", "batch",
+                  "micro", "dp_micro", "bucket", "tail_buckets", "tp_chunks")]
     a.forward += ["--gloo-collectives"] if a.gloo_collectives else []
 
     from megascale.config import load_config
@@ -580,7 +617,9 @@ def main() -> int:
                 print(json.dumps(result, indent=1))
         if a.ablation:
             print(f"\nablation, dp2 x pp2 x tp2 (sequence parallel), global batch {a.batch} (the last row "
-                  f"{4 * a.batch}), MFU against the probed matmul peak of one core per rank")
+                  f"{4 * a.batch}), MFU against the probed matmul peak of one core per rank; "
+                  f"{a.ablation_rounds} rounds of the rows' turns of 1 + {a.steps} steps (+ {a.steps} with "
+                  "no communication)")
             result = run_dim(cluster, a, "ablation", 29499)
             rows, link = result["rows"], result["link"]
             # the planner: the CPU preset as calibrated here (`megascale plan --calibrate --cluster cpu`),
@@ -605,7 +644,7 @@ def main() -> int:
             print("\nwhere the step goes, s (slowest rank, from the timers / the planner; pp = exposed p2p "
                   f"+ bubble)\n{'':18} " + " ".join(f"{k:>13}" for k in parts) + f" {'planner cpu':>11}")
             for i, (r, plan) in enumerate(zip(rows, planned, strict=True)):
-                got, want = measured_parts(str(Path(base) / f"ablation-{i}")), planned_parts(plan)
+                got, want = measured_parts(str(Path(base) / f"ablation-{i}"), r["steps"]), planned_parts(plan)
                 cells = " ".join(f"{got[k]:.3f}/{want[k]:.3f}".rjust(13) for k in parts)
                 print(f"{r['row']:18} {cells} {want['cpu']:11.3f}", flush=True)
             # where the machine's CPU goes: the ranks' own (their threads, their system calls), the rest

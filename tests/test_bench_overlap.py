@@ -18,9 +18,9 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
 
     require_netns(shaping=True)
     before = set(netns.namespaces())
-    tiny = ["--steps", "1", "--rounds", "1", "--warmup", "1", "--layers", "2", "--d-model", "32",
-            "--seq", "16", "--batch", "8", "--bucket", "2000", "--mbit", "200", "--ablation",
-            "--no-calibrate"]
+    tiny = ["--steps", "1", "--rounds", "1", "--ablation-rounds", "1", "--warmup", "1", "--layers", "2",
+            "--d-model", "32", "--seq", "16", "--batch", "8", "--bucket", "2000", "--mbit", "200",
+            "--ablation", "--no-calibrate"]
     r = subprocess.run([sys.executable, "benchmarks/overlap.py", *tiny], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
