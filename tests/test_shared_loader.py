@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,31 @@ def test_a_consumer_never_waits_for_ever(tmp_path):
     ring.words[W_PID] = _dead_pid()
     with pytest.raises(RuntimeError, match=r"the host's loader \(rank 0, pid \d+\) is gone"):
         _consumer_of(ring, 60).next_batch()
+
+
+def test_the_producer_looks_at_a_full_ring_a_few_times_a_step(tmp_path):
+    # a host's leader that is also its one consumer, taking a batch every 0.2 s: the producer's window
+    # opens once a step, and in between it looks at the ring a few times a step (about every 25 ms
+    # here), not every 2 ms (500 looks a second, idle included)
+    ring = _ring(tmp_path / f"{PREFIX}t-p{os.getpid()}", consumers=1, replicas=1, per=B)
+    samples = SyntheticSamples(100, SEQ, 50)
+    shared, plain = SharedBatchLoader(samples, B, seed=7), BatchLoader(samples, B, seed=7)
+    shared.ring, shared.mode, shared.replicas, shared._me, shared._replica = ring, "ring", [0], 0, 0
+    ring.ack(0, 0)
+    looks, window_open = [], ring.window_open
+    ring.window_open = lambda position: looks.append(position) or window_open(position)
+    try:
+        for _ in range(6):  # the same batches as the plain loader
+            got, want = shared.next_batch(), plain.next_batch()
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            time.sleep(0.2)
+        before = len(looks)
+        time.sleep(1.0)  # idle: the ring stays full
+        idle = len(looks) - before
+    finally:
+        shared.close(), plain.close()
+    print(f"\nthe producer looked {idle} times in an idle second")
+    assert 0 < idle < 150
 
 
 def test_one_process_loads_as_the_plain_loader():
