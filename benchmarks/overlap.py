@@ -28,8 +28,8 @@ slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
     sudo .venv/bin/python benchmarks/overlap.py [--dims dp pp tp all] [--mbit 1000] [--rounds 3] [--ablation]
 
-`--ablation` adds MegaScale's table (its rows cumulative on dp2 x pp2 x tp2, 8 hosts; the rows' Trainers
-side by side, taking turns `--ablation-rounds` times as the variants do) with the
+`--ablation` adds MegaScale's table (its rows cumulative on dp2 x pp2 x tp2, 8 hosts; the rows swept
+`--ablation-rounds` times, medians over the sweeps) with the
 planner's step time per row twice. Both use the links' tbf rate and veth's latency. "planner" adds what
 a message costs the host's CPU (gloo's copies, the kernel's TCP work), fitted here on 2-rank
 all-gathers of three sizes, all pairs at once, from the machine's busy time: 8 ranks share 2 cores,
@@ -318,17 +318,18 @@ def process_cpu_s() -> float:
     return u.ru_utime + u.ru_stime
 
 
-def measured_parts(run_dir: str, steps: list[int]) -> dict[str, float]:
-    """Where the slowest rank's median step went, over the given steps of a run, from its timers, in
-    the planner's terms (the slowest rank: the largest median wall time over those steps)."""
+def measured_parts(runs: list[tuple[str, list[int]]]) -> dict[str, float]:
+    """Where the slowest rank's median step went, over the given (run directory, steps) of a row, from
+    its timers, in the planner's terms (the slowest rank: the largest median wall time over them)."""
     from megascale.observe.breakdown import step_breakdown
     from megascale.observe.trace import read_run
 
-    medians = []
-    for rows in step_breakdown(read_run(run_dir))["ranks"].values():  # {rank: {step: row}}
-        mine = [rows[s] for s in steps if s in rows]
-        if mine:
-            medians.append({k: statistics.median(x[k] for x in mine) for k in mine[0]})
+    per_rank: dict[int, list[dict]] = {}
+    for run_dir, steps in runs:
+        for rank, rows in step_breakdown(read_run(run_dir))["ranks"].items():  # {rank: {step: row}}
+            per_rank.setdefault(rank, []).extend(rows[s] for s in steps if s in rows)
+    medians = [{k: statistics.median(x[k] for x in mine) for k in mine[0]}
+               for mine in per_rank.values() if mine]
     row = max(medians, key=lambda m: m["wall"])
     return {"compute": row["compute"], "tp": row["exposed_tp"], "pp": row["exposed_pp"] + row["bubble"],
             "dp": row["exposed_dp"], "other": row["data"] + row["checkpoint"] + row["other"]}
@@ -343,16 +344,17 @@ def planned_parts(prediction) -> dict[str, float]:
 def ablation_worker(a: argparse.Namespace) -> None:
     """On every rank: the ablation's rows; rank 0 prints each row's medians.
 
-    As the dimensions' variants do, the rows' Trainers live side by side and take turns, round after
-    round, so that the machine's drift (the same row's step moved by 18% between two runs minutes
-    apart) falls on every row alike and the rows' ratios to the baseline mean something. A row's turn
-    is a hand-over step (not timed), `--steps` timed steps, and as many again with every dp, pp and tp
+    The rows are swept `--ablation-rounds` times, each row's Trainer built anew in every sweep and
+    closed before the next row's, and a row's figures are medians over its sweeps: the machine's
+    drift (the same row's step moved by 18% between two runs minutes apart) then falls on every row
+    in several places. Not side by side as the variants: a live Trainer costs the others CPU even
+    when idle (gloo's loop threads, the shared loader's producer), +0.57 CPU-s a step with seven.
+    A row's turn is `--warmup` steps, `--steps` timed steps, and as many with every dp, pp and tp
     collective a no-op (the ranks' CPU without communication)."""
     import torch
 
     from megascale.config import load_config
     from megascale.distributed.init import shutdown_distributed
-    from megascale.observe import timers
     from megascale.train import Trainer
 
     torch.set_num_threads(1)
@@ -364,51 +366,38 @@ def ablation_worker(a: argparse.Namespace) -> None:
         wrapper.real["all_reduce"](t)
         return float(t)
 
-    rows = ablation_rows(a, a.base)
-    trainers = [Trainer(load_config(None, args), quiet=True) for _, args in rows]
-    groups = [dim_groups(t.engine, ("dp", "pp", "tp")) for t in trainers]
-    got = [{"stats": [], "nocomm": [], "steps": [], "busy": 0.0, "wall": 0.0, "own": 0.0, "bare_own": 0.0}
-           for _ in rows]
-
-    def steps(i: int, n: int, nocomm: bool = False) -> list:
-        trainer = trainers[i]
-        timers.install(trainer.observer.recorder)
-        wrapper.groups, wrapper.mode = groups[i], "nocomm" if nocomm else "pass"
-        try:
-            return [trainer.train_step() for _ in range(n)]
-        finally:
-            wrapper.mode = "pass"
-
-    for i in range(len(rows)):
-        steps(i, a.warmup)
-    for _ in range(a.ablation_rounds):
-        for i, g in enumerate(got):
-            steps(i, 1)  # the hand-over: it waits for what the row before left on the wire
+    got = [{"stats": [], "nocomm": [], "runs": [], "busy": 0.0, "wall": 0.0, "own": 0.0, "bare_own": 0.0}
+           for _ in ABLATION]
+    for rnd in range(a.ablation_rounds):
+        for (_, args), g in zip(ablation_rows(a, f"{a.base}/sweep{rnd}"), got, strict=True):
+            trainer = Trainer(load_config(None, args), quiet=True)
+            for _ in range(a.warmup):
+                trainer.train_step()
             busy0, t0, own0 = machine_busy_s(), time.monotonic(), process_cpu_s()
-            g["stats"] += steps(i, a.steps)
+            g["stats"] += [trainer.train_step() for _ in range(a.steps)]
             g["busy"] += machine_busy_s() - busy0
             g["wall"] += time.monotonic() - t0
             g["own"] += process_cpu_s() - own0
-            g["steps"] += list(range(trainers[i].step - a.steps, trainers[i].step))  # the traces' numbers
-            own0 = process_cpu_s()
-            g["nocomm"] += steps(i, a.steps, nocomm=True)
-            g["bare_own"] += process_cpu_s() - own0
-    out = []
-    for (name, _), g, trainer in zip(rows, got, trainers, strict=True):
-        timers.install(trainer.observer.recorder)
-        trainer.close()
+            g["runs"].append((str(trainer.run_dir), list(range(trainer.step - a.steps, trainer.step))))
+            wrapper.groups = dim_groups(trainer.engine, ("dp", "pp", "tp"))
+            wrapper.mode, own0 = "nocomm", process_cpu_s()
+            g["nocomm"] += [trainer.train_step() for _ in range(a.steps)]
+            wrapper.mode, g["bare_own"] = "pass", g["bare_own"] + process_cpu_s() - own0
+            trainer.close()
+    rows = []
+    for (name, _), g in zip(ABLATION, got, strict=True):
         n = len(g["stats"])
-        out.append({"row": name, "step_s": statistics.median(x.step_time for x in g["stats"]),
-                    "tokens_per_s": statistics.median(x.tokens_per_s for x in g["stats"]),
-                    "mfu": statistics.median(x.mfu for x in g["stats"]),
-                    "cpu_s": g["busy"] / n, "busy": g["busy"] / (g["wall"] * (os.cpu_count() or 1)),
-                    "ranks_cpu_s": ranks_sum(g["own"] / n),
-                    "nocomm_ranks_cpu_s": ranks_sum(g["bare_own"] / n),
-                    "nocomm_step_s": statistics.median(x.step_time for x in g["nocomm"]),
-                    "steps": g["steps"]})
+        rows.append({"row": name, "step_s": statistics.median(x.step_time for x in g["stats"]),
+                     "tokens_per_s": statistics.median(x.tokens_per_s for x in g["stats"]),
+                     "mfu": statistics.median(x.mfu for x in g["stats"]),
+                     "cpu_s": g["busy"] / n, "busy": g["busy"] / (g["wall"] * (os.cpu_count() or 1)),
+                     "ranks_cpu_s": ranks_sum(g["own"] / n),
+                     "nocomm_ranks_cpu_s": ranks_sum(g["bare_own"] / n),
+                     "nocomm_step_s": statistics.median(x.step_time for x in g["nocomm"]),
+                     "runs": g["runs"]})
     link = measure_link([[r, r + 1] for r in range(0, 8, 2)])  # the layout's tp pairs (adjacent ranks)
     if int(os.environ["RANK"]) == 0:
-        print("RESULT " + json.dumps({"rows": out, "link": link}), flush=True)
+        print("RESULT " + json.dumps({"rows": rows, "link": link}), flush=True)
     shutdown_distributed()
 
 
@@ -559,7 +548,7 @@ def main() -> int:
     p.add_argument("--mbit", type=float, default=1000.0, help="each host's link, tc tbf")
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant and turn")
     p.add_argument("--rounds", type=int, default=6, help="rounds of the variants' turns")
-    p.add_argument("--ablation-rounds", type=int, default=3, help="rounds of the ablation rows' turns")
+    p.add_argument("--ablation-rounds", type=int, default=3, help="sweeps of the ablation's rows")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -618,8 +607,8 @@ def main() -> int:
         if a.ablation:
             print(f"\nablation, dp2 x pp2 x tp2 (sequence parallel), global batch {a.batch} (the last row "
                   f"{4 * a.batch}), MFU against the probed matmul peak of one core per rank; "
-                  f"{a.ablation_rounds} rounds of the rows' turns of 1 + {a.steps} steps (+ {a.steps} with "
-                  "no communication)")
+                  f"{a.ablation_rounds} sweeps of the rows, {a.steps} steps each after {a.warmup} "
+                  f"(+ {a.steps} with no communication)")
             result = run_dim(cluster, a, "ablation", 29499)
             rows, link = result["rows"], result["link"]
             # the planner: the CPU preset as calibrated here (`megascale plan --calibrate --cluster cpu`),
@@ -643,8 +632,8 @@ def main() -> int:
             parts = ("compute", "tp", "pp", "dp", "other")
             print("\nwhere the step goes, s (slowest rank, from the timers / the planner; pp = exposed p2p "
                   f"+ bubble)\n{'':18} " + " ".join(f"{k:>13}" for k in parts) + f" {'planner cpu':>11}")
-            for i, (r, plan) in enumerate(zip(rows, planned, strict=True)):
-                got, want = measured_parts(str(Path(base) / f"ablation-{i}"), r["steps"]), planned_parts(plan)
+            for r, plan in zip(rows, planned, strict=True):
+                got, want = measured_parts(r["runs"]), planned_parts(plan)
                 cells = " ".join(f"{got[k]:.3f}/{want[k]:.3f}".rjust(13) for k in parts)
                 print(f"{r['row']:18} {cells} {want['cpu']:11.3f}", flush=True)
             # where the machine's CPU goes: the ranks' own (their threads, their system calls), the rest
