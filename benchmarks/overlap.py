@@ -29,7 +29,7 @@ slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
     sudo .venv/bin/python benchmarks/overlap.py [--dims dp pp tp all] [--mbit 1000] [--rounds 3] [--ablation]
 
 `--ablation` adds MegaScale's table (its rows cumulative on dp2 x pp2 x tp2, 8 hosts; the rows swept
-`--ablation-rounds` times, medians over the sweeps) with the
+`--ablation-rounds` times, a job of fresh processes per row and sweep, medians over the sweeps) with the
 planner's step time per row twice. Both use the links' tbf rate and veth's latency. "planner" adds what
 a message costs the host's CPU (gloo's copies, the kernel's TCP work), fitted here on 2-rank
 all-gathers of three sizes, all pairs at once, from the machine's busy time: 8 ranks share 2 cores,
@@ -249,7 +249,7 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
     per_core = max(1, -(-world // (os.cpu_count() or 1)))
     sim = dataclasses.replace(cpu, name="cpu-simcluster", devices_per_node=per_core, intra=link, inter=link)
     out = []
-    for _, args in ablation_rows(a, "unused"):
+    for _, args in [ablation_rows(a, "unused")[i] for i in a.ablation_rows]:
         cfg = load_config(None, args)
         m, p = cfg.model, cfg.parallel
         m.vocab_size = m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
@@ -342,14 +342,17 @@ def planned_parts(prediction) -> dict[str, float]:
 
 
 def ablation_worker(a: argparse.Namespace) -> None:
-    """On every rank: the ablation's rows; rank 0 prints each row's medians.
+    """On every rank: one sweep of one ablation row (`--row`, `--sweep`), in processes of its own;
+    rank 0 prints its figures (and, in the first job, the links' as measure_link finds them).
 
-    The rows are swept `--ablation-rounds` times, each row's Trainer built anew in every sweep and
-    closed before the next row's, and a row's figures are medians over its sweeps: the machine's
-    drift (the same row's step moved by 18% between two runs minutes apart) then falls on every row
-    in several places. Not side by side as the variants: a live Trainer costs the others CPU even
-    when idle (gloo's loop threads, the shared loader's producer), +0.57 CPU-s a step with seven.
-    A row's turn is `--warmup` steps, `--steps` timed steps, and as many with every dp, pp and tp
+    A job of its own per row and sweep, because a process cannot let go of a Trainer's process groups:
+    gloo keeps three threads per group until the group is destroyed, each idle group costs ~1.5 ms of
+    CPU a second, and destroying locally synchronised groups to make them again fails (torch names the
+    new ones as the old, whose rendezvous keys are still in the store: "connectFullMesh failed ...
+    Connection refused"). With every row's Trainer in one process the later rows ran among the
+    earlier ones' groups: their no-comm CPU rose row after row (1.47 -> 1.84 CPU-s a step with nothing
+    in their compute changed), and seven Trainers alive at once cost ~0.57 CPU-s a step.
+    The row runs `--warmup` steps, `--steps` timed steps, and as many with every dp, pp and tp
     collective a no-op (the ranks' CPU without communication)."""
     import torch
 
@@ -366,39 +369,51 @@ def ablation_worker(a: argparse.Namespace) -> None:
         wrapper.real["all_reduce"](t)
         return float(t)
 
-    got = [{"stats": [], "nocomm": [], "runs": [], "busy": 0.0, "wall": 0.0, "own": 0.0, "bare_own": 0.0}
-           for _ in ABLATION]
-    for rnd in range(a.ablation_rounds):
-        for (_, args), g in zip(ablation_rows(a, f"{a.base}/sweep{rnd}"), got, strict=True):
-            trainer = Trainer(load_config(None, args), quiet=True)
-            for _ in range(a.warmup):
-                trainer.train_step()
-            busy0, t0, own0 = machine_busy_s(), time.monotonic(), process_cpu_s()
-            g["stats"] += [trainer.train_step() for _ in range(a.steps)]
-            g["busy"] += machine_busy_s() - busy0
-            g["wall"] += time.monotonic() - t0
-            g["own"] += process_cpu_s() - own0
-            g["runs"].append((str(trainer.run_dir), list(range(trainer.step - a.steps, trainer.step))))
-            wrapper.groups = dim_groups(trainer.engine, ("dp", "pp", "tp"))
-            wrapper.mode, own0 = "nocomm", process_cpu_s()
-            g["nocomm"] += [trainer.train_step() for _ in range(a.steps)]
-            wrapper.mode, g["bare_own"] = "pass", g["bare_own"] + process_cpu_s() - own0
-            trainer.close()
-    rows = []
-    for (name, _), g in zip(ABLATION, got, strict=True):
-        n = len(g["stats"])
-        rows.append({"row": name, "step_s": statistics.median(x.step_time for x in g["stats"]),
-                     "tokens_per_s": statistics.median(x.tokens_per_s for x in g["stats"]),
-                     "mfu": statistics.median(x.mfu for x in g["stats"]),
-                     "cpu_s": g["busy"] / n, "busy": g["busy"] / (g["wall"] * (os.cpu_count() or 1)),
-                     "ranks_cpu_s": ranks_sum(g["own"] / n),
-                     "nocomm_ranks_cpu_s": ranks_sum(g["bare_own"] / n),
-                     "nocomm_step_s": statistics.median(x.step_time for x in g["nocomm"]),
-                     "runs": g["runs"]})
-    link = measure_link([[r, r + 1] for r in range(0, 8, 2)])  # the layout's tp pairs (adjacent ranks)
+    _, args = ablation_rows(a, f"{a.base}/sweep{a.sweep}")[a.row]
+    trainer = Trainer(load_config(None, args), quiet=True)
+    for _ in range(a.warmup):
+        trainer.train_step()
+    busy0, t0, own0 = machine_busy_s(), time.monotonic(), process_cpu_s()
+    stats = [trainer.train_step() for _ in range(a.steps)]
+    busy, wall, own = machine_busy_s() - busy0, time.monotonic() - t0, process_cpu_s() - own0
+    run = (str(trainer.run_dir), list(range(trainer.step - a.steps, trainer.step)))  # the traces' numbers
+    wrapper.groups = dim_groups(trainer.engine, ("dp", "pp", "tp"))
+    wrapper.mode, own0 = "nocomm", process_cpu_s()
+    bare = [trainer.train_step() for _ in range(a.steps)]
+    wrapper.mode, bare_own = "pass", process_cpu_s() - own0
+    trainer.close()
+    out = {"step_s": [x.step_time for x in stats], "tokens_per_s": [x.tokens_per_s for x in stats],
+           "mfu": [x.mfu for x in stats], "nocomm_step_s": [x.step_time for x in bare], "busy": busy,
+           "wall": wall, "ranks_cpu_s": ranks_sum(own), "nocomm_ranks_cpu_s": ranks_sum(bare_own),
+           "runs": [run]}
+    if a.row == a.ablation_rows[0] and a.sweep == 0:  # the layout's tp pairs (adjacent ranks)
+        out["link"] = measure_link([[r, r + 1] for r in range(0, 8, 2)])
     if int(os.environ["RANK"]) == 0:
-        print("RESULT " + json.dumps({"rows": rows, "link": link}), flush=True)
+        print("RESULT " + json.dumps(out), flush=True)
     shutdown_distributed()
+
+
+def run_ablation(cluster, a: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Every row's figures over `--ablation-rounds` sweeps of the rows (a job per row and sweep, so the
+    machine's drift falls on every row in several places), and the links as measured."""
+    got: list[dict] = [{} for _ in a.ablation_rows]
+    link = None
+    for sweep in range(a.ablation_rounds):
+        for i, g in zip(a.ablation_rows, got, strict=True):
+            job = run_dim(cluster, a, "ablation", 29400 + sweep * len(ABLATION) + i,
+                          ["--row", str(i), "--sweep", str(sweep)])
+            link = job.pop("link", link)
+            for k, v in job.items():
+                g[k] = g.get(k, 0 if isinstance(v, float) else []) + v
+    rows = []
+    for (name, _), g in zip([ABLATION[i] for i in a.ablation_rows], got, strict=True):
+        n = len(g["step_s"])
+        rows.append({"row": name, **{k: statistics.median(g[k]) for k in
+                                     ("step_s", "tokens_per_s", "mfu", "nocomm_step_s")},
+                     "cpu_s": g["busy"] / n, "busy": g["busy"] / (g["wall"] * (os.cpu_count() or 1)),
+                     "ranks_cpu_s": g["ranks_cpu_s"] / n, "nocomm_ranks_cpu_s": g["nocomm_ranks_cpu_s"] / n,
+                     "runs": g["runs"]})
+    return rows, link
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -476,10 +491,10 @@ def worker(a: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------- the cluster
 
 
-def run_dim(cluster, a: argparse.Namespace, dim: str, port: int) -> dict:
-    """Every rank of one dimension's runs (dim "ablation": the ablation's rows), rank 0's RESULT."""
+def run_dim(cluster, a: argparse.Namespace, dim: str, port: int, extra: list[str] = ()) -> dict:
+    """Every rank of one dimension's runs (dim "ablation": one ablation row), rank 0's RESULT."""
     world = 8 if dim == "ablation" else DIMS[dim][1]
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", dim, *a.forward]
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", dim, *a.forward, *extra]
     procs = []
     for r in range(world):
         env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
@@ -549,6 +564,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant and turn")
     p.add_argument("--rounds", type=int, default=6, help="rounds of the variants' turns")
     p.add_argument("--ablation-rounds", type=int, default=3, help="sweeps of the ablation's rows")
+    p.add_argument("--ablation-rows", type=int, nargs="+", default=list(range(len(ABLATION))),
+                   choices=range(len(ABLATION)), metavar="ROW",
+                   help="the ablation's rows to run, 0 (baseline) .. 6 (+ LAMB, 4x batch); default all")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
@@ -570,6 +588,8 @@ def main() -> int:
                    help="the planner column with the CPU preset as stored (placeholders if never calibrated)")
     p.add_argument("--worker", choices=[*DIMS, "ablation"], help=argparse.SUPPRESS)
     p.add_argument("--base", help=argparse.SUPPRESS)  # the workers' run directories go under it
+    p.add_argument("--row", type=int, default=0, help=argparse.SUPPRESS)  # an ablation job's row
+    p.add_argument("--sweep", type=int, default=0, help=argparse.SUPPRESS)  # and its sweep
     a = p.parse_args()
     if a.worker == "ablation":
         ablation_worker(a)
@@ -581,6 +601,7 @@ def main() -> int:
                  ("steps", "rounds", "ablation_rounds", "warmup", "layers", "d_model", "seq", "batch",
                   "micro", "dp_micro", "bucket", "tail_buckets", "tp_chunks")]
     a.forward += ["--gloo-collectives"] if a.gloo_collectives else []
+    a.forward += ["--ablation-rows", *map(str, a.ablation_rows)]
 
     from megascale.config import load_config
     from megascale.data import ensure_dataset
@@ -609,8 +630,7 @@ def main() -> int:
                   f"{4 * a.batch}), MFU against the probed matmul peak of one core per rank; "
                   f"{a.ablation_rounds} sweeps of the rows, {a.steps} steps each after {a.warmup} "
                   f"(+ {a.steps} with no communication)")
-            result = run_dim(cluster, a, "ablation", 29499)
-            rows, link = result["rows"], result["link"]
+            rows, link = run_ablation(cluster, a)
             # the planner: the CPU preset as calibrated here (`megascale plan --calibrate --cluster cpu`),
             # its links at the tbf rate (nominal) and as fitted on the cluster (measured)
             nominal = [x.step_time for x in predicted_steps(a, 8)]

@@ -20,7 +20,7 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     before = set(netns.namespaces())
     tiny = ["--steps", "1", "--rounds", "1", "--ablation-rounds", "1", "--warmup", "1", "--layers", "2",
             "--d-model", "32", "--seq", "16", "--batch", "8", "--bucket", "2000", "--mbit", "200",
-            "--ablation", "--no-calibrate"]
+            "--ablation", "--ablation-rows", "0", "6", "--no-calibrate"]  # a job per row: two rows
     r = subprocess.run([sys.executable, "benchmarks/overlap.py", *tiny], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
@@ -33,16 +33,15 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     measured_and_planned = (r" +[\d.]+ +\d+ +[\d.]+ +[\d.]+% +[\d.]+ +[+-][\d.]+% +[\d.]+ +[+-][\d.]+%"
                             r" +[\d.]+ +\d+%$")  # ..., then the machine's CPU-seconds per step and busy
     rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + measured_and_planned, r.stdout, re.M)
-    assert rows == ["baseline", "+ parallel block", "+ sliding window", "+ TP overlap", "+ PP overlap",
-                    "+ DP overlap", "+ LAMB, 4x batch"], r.stdout
+    assert rows == ["baseline", "+ LAMB, 4x batch"], r.stdout
     # each row's step by cause, measured / planned
     split = r" +[\d.]+/[\d.]+" * 5 + r" +-?[\d.]+$"
     rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + split, r.stdout, re.M)
-    assert len(rows) == 7 and rows[0] == "baseline", r.stdout
+    assert rows == ["baseline", "+ LAMB, 4x batch"], r.stdout
     # each row's CPU-seconds: the machine's, the ranks', the ranks' with no communication, the planner's
     # (all, compute), and the step with no communication
     rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + r" +[\d.]+" * 6 + "$", r.stdout, re.M)
-    assert len(rows) == 7 and rows[0] == "baseline", r.stdout
+    assert rows == ["baseline", "+ LAMB, 4x batch"], r.stdout
     assert set(netns.namespaces()) <= before  # torn down
 
 
