@@ -39,7 +39,7 @@ machine CPU-seconds per step and how busy the cores were, and then each row's st
 (compute, tp, pp, dp, other; the planner's "cpu" column is its CPU bound's excess over its timeline)
 as the timers measured it and as the planner has it, and last each row's CPU-seconds per step: the
 machine's, the ranks' own (their threads and system calls: nearly all of the machine's, softirq
-included), the ranks' again with every dp, pp and tp collective a no-op (`a.steps` more steps), and
+included), the ranks' again with every dp, pp and tp collective a no-op (`--steps` more steps), and
 the planner's (all, and its compute alone). That last table says where the planner's error lies.
 `--dims` with no dimension runs the ablation alone.
 
@@ -249,7 +249,8 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
     per_core = max(1, -(-world // (os.cpu_count() or 1)))
     sim = dataclasses.replace(cpu, name="cpu-simcluster", devices_per_node=per_core, intra=link, inter=link)
     out = []
-    for _, args in [ablation_rows(a, "unused")[i] for i in a.ablation_rows]:
+    rows = ablation_rows(a, "unused")
+    for _, args in [rows[i] for i in a.ablation_rows]:
         cfg = load_config(None, args)
         m, p = cfg.model, cfg.parallel
         m.vocab_size = m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
@@ -310,14 +311,6 @@ def machine_busy_s() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def process_cpu_s() -> float:
-    """CPU-seconds of this process, all its threads (gloo's included), user and system."""
-    import resource
-
-    u = resource.getrusage(resource.RUSAGE_SELF)
-    return u.ru_utime + u.ru_stime
-
-
 def measured_parts(runs: list[tuple[str, list[int]]]) -> dict[str, float]:
     """Where the slowest rank's median step went, over the given (run directory, steps) of a row, from
     its timers, in the planner's terms (the slowest rank: the largest median wall time over them)."""
@@ -373,14 +366,15 @@ def ablation_worker(a: argparse.Namespace) -> None:
     trainer = Trainer(load_config(None, args), quiet=True)
     for _ in range(a.warmup):
         trainer.train_step()
-    busy0, t0, own0 = machine_busy_s(), time.monotonic(), process_cpu_s()
+    # time.process_time: this process's CPU-seconds, every thread's (gloo's too), user and system
+    busy0, t0, own0 = machine_busy_s(), time.monotonic(), time.process_time()
     stats = [trainer.train_step() for _ in range(a.steps)]
-    busy, wall, own = machine_busy_s() - busy0, time.monotonic() - t0, process_cpu_s() - own0
+    busy, wall, own = machine_busy_s() - busy0, time.monotonic() - t0, time.process_time() - own0
     run = (str(trainer.run_dir), list(range(trainer.step - a.steps, trainer.step)))  # the traces' numbers
     wrapper.groups = dim_groups(trainer.engine, ("dp", "pp", "tp"))
-    wrapper.mode, own0 = "nocomm", process_cpu_s()
+    wrapper.mode, own0 = "nocomm", time.process_time()
     bare = [trainer.train_step() for _ in range(a.steps)]
-    wrapper.mode, bare_own = "pass", process_cpu_s() - own0
+    wrapper.mode, bare_own = "pass", time.process_time() - own0
     trainer.close()
     out = {"step_s": [x.step_time for x in stats], "tokens_per_s": [x.tokens_per_s for x in stats],
            "mfu": [x.mfu for x in stats], "nocomm_step_s": [x.step_time for x in bare], "busy": busy,
