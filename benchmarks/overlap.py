@@ -100,6 +100,7 @@ def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> li
         "log.peak_flops=1e9", "checkpoint.interval=0", "checkpoint.memory_interval=0",
         f"parallel.dp_bucket_size={a.bucket}", f"parallel.dp_tail_buckets={a.tail_buckets}",
         f"parallel.direct_collectives={str(not a.gloo_collectives).lower()}",
+        f"parallel.transport={a.transport}",
         f"parallel.tp_overlap_chunks={a.tp_chunks}",
         f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
         f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}",
@@ -121,8 +122,9 @@ class _Done:
 
 
 class Collectives:
-    """Wraps torch.distributed's collectives: on the chosen groups, record each call's shapes, or
-    replace it with a no-op (the receive's buffer zeroed, so no garbage reaches the loss)."""
+    """Wraps torch.distributed's collectives, and the socket transport's sends and receives
+    (distributed/p2p.py, parallel.transport = "sockets"): on the chosen groups, record each call's
+    shapes, or replace it with a no-op (the receive's buffer zeroed, so no garbage reaches the loss)."""
 
     NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
              "reduce_scatter_tensor", "broadcast", "isend", "irecv")
@@ -130,15 +132,22 @@ class Collectives:
     def __init__(self, groups: set):
         import torch.distributed as dist
 
-        self.dist, self.groups, self.mode, self.calls = dist, groups, "pass", []
+        from megascale.distributed import p2p
+
+        self.dist, self.p2p, self.groups, self.mode, self.calls = dist, p2p, groups, "pass", []
         self.real = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
         for name, fn in self.real.items():
             setattr(dist, name, self._wrap(name, fn))
+        # a routed group's messages never reach torch.distributed: caught where they leave p2p.py
+        self.real_p2p = {n: getattr(p2p, n) for n in ("isend", "irecv")}
+        for name, fn in self.real_p2p.items():
+            setattr(p2p, name, self._wrap(name, fn, routed_only=True))
 
-    def _wrap(self, name, fn):
+    def _wrap(self, name, fn, routed_only: bool = False):
         def call(*args, **kw):
             group = kw.get("group")
-            if self.mode == "pass" or group not in self.groups:
+            ours = group in self.groups and (not routed_only or self.p2p.routed(group))
+            if self.mode == "pass" or not ours:
                 return fn(*args, **kw)
             tensors = [a for a in args if hasattr(a, "shape")]
             if self.mode == "record":
@@ -160,7 +169,8 @@ class Collectives:
         for name, group, shapes, kw in self.calls:
             tensors = [torch.zeros(s, dtype=d) for s, d in shapes]
             if name in ("isend", "irecv"):
-                pending.append(self.real[name](tensors[0], group=group, **kw))
+                real = self.real_p2p if self.p2p.routed(group) else self.real
+                pending.append(real[name](tensors[0], group=group, **kw))
             else:
                 self.real[name](*tensors, group=group, **{k: v for k, v in kw.items() if k == "src"})
         for w in pending:
@@ -572,6 +582,8 @@ def main() -> int:
     p.add_argument("--tail-buckets", type=int, default=4, help="parallel.dp_tail_buckets (1: off)")
     p.add_argument("--gloo-collectives", action="store_true",
                    help="parallel.direct_collectives=false: gloo's own (its reduce-scatter an all-reduce)")
+    p.add_argument("--transport", choices=("gloo", "sockets"), default="gloo",
+                   help="parallel.transport: what carries the p2p messages (distributed/sockets.py)")
     p.add_argument("--tp-chunks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--keep", help="write the runs' directories (traces, metrics) here and keep them")
@@ -593,7 +605,7 @@ def main() -> int:
         return 0
     a.forward = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
                  ("steps", "rounds", "ablation_rounds", "warmup", "layers", "d_model", "seq", "batch",
-                  "micro", "dp_micro", "bucket", "tail_buckets", "tp_chunks")]
+                  "micro", "dp_micro", "bucket", "tail_buckets", "tp_chunks", "transport")]
     a.forward += ["--gloo-collectives"] if a.gloo_collectives else []
     a.forward += ["--ablation-rows", *map(str, a.ablation_rows)]
 

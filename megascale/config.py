@@ -85,6 +85,10 @@ class ParallelConfig:
     # on gloo, the dp and tp reduce-scatters and all-gathers as direct sends (distributed/direct.py):
     # half the bytes of gloo's reduce-scatter (an all-reduce); its all-gather 1.4x slower on a slow link
     direct_collectives: bool = True
+    # on gloo, what carries point-to-point messages (the direct collectives above, the pipeline's
+    # activations and gradients): "gloo", or "sockets", our own TCP transport, about a third of
+    # gloo's CPU per message (distributed/sockets.py, benchmarks/transport.py)
+    transport: str = "gloo"
     pp_overlap: bool = True  # receives posted ahead of the compute that needs them, sends completed lazily
     tp_overlap: bool = False  # all-gather/reduce-scatter pipelined with the TP GEMMs in chunks (tp > 1)
     tp_overlap_chunks: int = 2  # chunks per overlapped TP GEMM (tp_overlap)
@@ -435,6 +439,7 @@ def validate(cfg: Config) -> None:
         _positive(f"parallel.{name}", getattr(p, name))
     _positive("parallel.dp", p.dp, allow_zero=True)  # 0: from the world, at start (check_world_size)
     _choice("parallel.schedule", p.schedule, ("auto", "1f1b", "interleaved", "afab"))
+    _choice("parallel.transport", p.transport, ("gloo", "sockets"))
     validate_layout(cfg)
 
     _positive("log.peak_flops", cfg.log.peak_flops, allow_zero=True)

@@ -69,6 +69,7 @@ def test_round_trip_through_toml(tmp_path):
         (["parallel.pp=2", "parallel.vpp=2", "parallel.schedule=1f1b"], "parallel.schedule", "interleaved"),
         (["parallel.pp=2", "parallel.schedule=interleaved"], "parallel.schedule", "parallel.vpp > 1"),
         (["parallel.schedule=zigzag"], "parallel.schedule", "must be one of"),
+        (["parallel.transport=mpi"], "parallel.transport", "must be one of"),
         (["parallel.dp_bucket_size=0"], "parallel.dp_bucket_size", "> 0"),
         (["parallel.tp=2", "train.compile=true"], "train.compile", "parallel"),
         (["distributed.store=etcd://host:2379"], "distributed.store", "tcp, tcp-legacy or redis://"),

@@ -28,6 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from megascale.distributed import p2p
+from megascale.distributed.p2p import p2p_timeout
+
+__all__ = ["Exchange", "p2p_timeout", "start_all_gather", "start_reduce_scatter"]
+
 
 def start_reduce_scatter(out: Tensor, inp: Tensor, group, tag: int = 0,
                          inbox: list[Tensor] | None = None) -> Exchange:
@@ -49,8 +54,8 @@ def start_reduce_scatter(out: Tensor, inp: Tensor, group, tag: int = 0,
     if inbox is None:
         inbox = [torch.empty(out.shape, dtype=out.dtype, device=out.device) for _ in range(n - 1)]
     peers = [r for r in range(n) if r != me]
-    works = [dist.irecv(buf, src=ranks[r], group=group, tag=tag) for r, buf in zip(peers, inbox, strict=True)]
-    works += [dist.isend(chunks[r], dst=ranks[r], group=group, tag=tag) for r in peers]
+    works = [p2p.irecv(buf, src=ranks[r], group=group, tag=tag) for r, buf in zip(peers, inbox, strict=True)]
+    works += [p2p.isend(chunks[r], dst=ranks[r], group=group, tag=tag) for r in peers]
     return Exchange(out, inbox, works, (inp, flat), p2p_timeout(group))
 
 
@@ -67,22 +72,9 @@ def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
     if parts[me].data_ptr() != flat_in.data_ptr():
         parts[me].copy_(flat_in)
     peers = [r for r in range(n) if r != me]
-    works = [dist.irecv(parts[r], src=ranks[r], group=group, tag=tag) for r in peers]
-    works += [dist.isend(parts[me], dst=ranks[r], group=group, tag=tag) for r in peers]
+    works = [p2p.irecv(parts[r], src=ranks[r], group=group, tag=tag) for r in peers]
+    works += [p2p.isend(parts[me], dst=ranks[r], group=group, tag=tag) for r in peers]
     return Exchange(out, [], works, (inp, out), p2p_timeout(group))
-
-
-def p2p_timeout(group):
-    """The group's collective timeout (distributed.collective_timeout_s once training runs), for
-    waits on its isend/irecv: gloo's p2p wait has none of its own, so a peer that stopped would hang
-    the wait instead of failing it (the pipeline's receives use it too). None: the backend's own."""
-    if group is None and not dist.is_initialized():  # one pipeline stage, one process: no waits
-        return None
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):  # not gloo: its own waits keep the backend's timeout
-        return None
 
 
 class Exchange:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import DistributedConfig, ParallelConfig
+from megascale.distributed import p2p
 from megascale.distributed.groups import init_barrier
 from megascale.distributed.store import open_store
 from megascale.errors import UserError
@@ -134,6 +135,7 @@ def set_collective_timeout(mesh, seconds: float) -> None:
 
 def shutdown_distributed() -> None:
     global _STORE
+    p2p.close()  # the socket transport's connections, before the store they were found through
     if dist.is_initialized():
         dist.destroy_process_group()
     if _STORE is not None and hasattr(_STORE, "close"):

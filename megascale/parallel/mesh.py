@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megascale.config import ParallelConfig
+from megascale.distributed import p2p
 from megascale.distributed.groups import create_groups
 from megascale.errors import UserError
 
@@ -117,9 +118,12 @@ class Mesh:
         if p2p_groups is None:
             p2p_groups = "nccl" in str(dist.get_backend())
         bwd = create_pp_bwd_group(cfg.dp, cfg.pp, cfg.tp, rank, group_init) if p2p_groups else None
-        direct = cfg.direct_collectives and dist.get_backend() == dist.Backend.GLOO
-        return cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in GROUP_KINDS), pp_bwd_group=bwd,
-                   direct_collectives=direct)
+        gloo = dist.get_backend() == dist.Backend.GLOO
+        mesh = cls(cfg.dp, cfg.pp, cfg.tp, rank, *(groups[k] for k in GROUP_KINDS), pp_bwd_group=bwd,
+                   direct_collectives=cfg.direct_collectives and gloo)
+        if gloo and cfg.transport == "sockets":  # p2p messages over our transport (distributed/p2p.py)
+            p2p.use_sockets(mesh.groups())
+        return mesh
 
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """This rank's groups, in creation order (None where there is none)."""

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megascale.distributed.direct import p2p_timeout
+from megascale.distributed import p2p
+from megascale.distributed.p2p import p2p_timeout
 from megascale.observe import timers
 from megascale.parallel.mesh import Mesh
 
@@ -72,7 +73,7 @@ class P2P:
     def send(self, tensor: Tensor, dst: int, tag: int) -> None:
         buf = tensor.detach().to(self.dtype).contiguous()
         timed = timers.launch("send", "pp", "pp", peer=dst, tag=tag, nbytes=buf.numel() * buf.element_size())
-        work = _Bounded(dist.isend(buf, dst=dst, group=self.group(tag), tag=tag), self.timeout[tag])
+        work = _Bounded(p2p.isend(buf, dst=dst, group=self.group(tag), tag=tag), self.timeout[tag])
         self.pending.append((work, buf, timed))
 
     def send_lazily(self, tensor: Tensor, dst: int, tag: int) -> None:
@@ -85,14 +86,14 @@ class P2P:
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         t0 = time.perf_counter()
         with timers.comm("recv", "pp", "pp", peer=src, tag=tag, nbytes=buf.numel() * buf.element_size()):
-            _Bounded(dist.irecv(buf, src=src, group=self.group(tag), tag=tag), self.timeout[tag]).wait()
+            _Bounded(p2p.irecv(buf, src=src, group=self.group(tag), tag=tag), self.timeout[tag]).wait()
         self.wait_s += time.perf_counter() - t0
         return buf
 
     def post(self, src: int, tag: int) -> None:
         """Post the next receive of a stream ahead of the op that takes it."""
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        work = _Bounded(dist.irecv(buf, src=src, group=self.group(tag), tag=tag), self.timeout[tag])
+        work = _Bounded(p2p.irecv(buf, src=src, group=self.group(tag), tag=tag), self.timeout[tag])
         self.posted[tag].append((work, buf, src))
 
     def take(self, tag: int) -> Tensor:

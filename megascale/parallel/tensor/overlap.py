@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from megascale.distributed import p2p
 from megascale.distributed.direct import start_all_gather, start_reduce_scatter
 from megascale.distributed.groups import create_groups
 from megascale.observe import timers
@@ -77,6 +78,8 @@ def overlap_settings(mesh: Mesh, chunks: int) -> Overlap | None:
     if chunks <= 0 or mesh.tp == 1:
         return None
     group = create_groups([group_ranks(mesh.dp, mesh.pp, mesh.tp, "tp")], mesh.rank)[0]
+    if p2p.routed(mesh.tp_group):  # parallel.transport = "sockets": its messages on a channel of its own
+        p2p.use_sockets((group,))
     return Overlap(chunks, group, mesh.direct_collectives)
 
 

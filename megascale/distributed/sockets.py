@@ -1,0 +1,333 @@
+"""Point-to-point messages over plain TCP sockets, for CPU jobs: `parallel.transport = "sockets"`.
+
+Why. On CPU every message that torch's gloo backend carries costs each end 250-500 us of CPU,
+whatever its size (`benchmarks/transport.py`): the call goes through gloo's work queue, its
+pair's "ready to receive" handshake and its event-loop thread, a dozen thread hand-offs and
+some forty system calls. On a rank that shares its cores with the others (every CPU job) that
+CPU comes out of the compute an overlap runs beside, which is why communication on CPU looked
+like compute. A message here is a header and a payload written by one thread and read by one:
+about a third of the CPU, and the wall time on loopback falls with it.
+
+What it carries: the exchanges that are point-to-point underneath, the direct reduce-scatters
+and all-gathers of DP and TP/SP (distributed/direct.py) and the pipeline's activations and
+gradients. Collectives (all-reduce, barrier, broadcast) stay on gloo: `p2p.py` routes a group's
+sends and receives here once `Mesh.build` has registered it.
+
+Design.
+- One connection per ordered pair of ranks, opened by the sender on its first message to that
+  peer, so no two ranks race to open the same one. Messages of a pair arrive in send order.
+- Every message is a 16-byte header, (key, length), and its bytes. The key is the group's
+  channel and the message's tag; a receive posted for (source, key) takes that source's messages
+  of that key in order, as gloo matches (peer, tag). A message that arrives before its receive
+  is read into memory and copied once the receive is posted (MPI's unexpected-message queue):
+  otherwise a receiver waiting for it would block every message behind it on the connection.
+- A thread per outgoing connection writes the queued sends, so `isend` returns at once and the
+  compute goes on while the bytes move; a thread per incoming connection reads, straight into
+  the posted receive's tensor when there is one.
+- Failure: a connection that closes or errs fails every pending and later receive from (or send
+  to) that peer at once, naming it. A wait takes the group's collective timeout, like gloo's, and
+  fails with "timed out" (what observe/session.py reads as a hang).
+- Addresses: a rank listens on the interface through which it reaches MASTER_ADDR, on a port the
+  kernel picks, and publishes host:port in the job's store under a nonce rank 0 draws, so that a
+  rank of an earlier attempt can neither be found nor connect (its hello names another nonce).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import struct
+import threading
+from collections import defaultdict, deque
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+_HEADER = struct.Struct("<qq")  # key, payload bytes
+_HELLO = struct.Struct("<qq")  # nonce, sender rank
+_CONNECT_TIMEOUT_S = 60.0
+
+
+class TransportError(dist.DistBackendError):
+    """A send or receive that failed or timed out; the message names the peer rank."""
+
+
+class Handle:
+    """One send or receive in flight (the `Work` of this transport)."""
+
+    __slots__ = ("op", "peer", "_done", "_error", "_keep")
+
+    def __init__(self, op: str, peer: int, keep: Tensor | None = None):
+        self.op, self.peer, self._keep = op, peer, keep  # a send's tensor stays alive until written
+        self._done, self._error = threading.Event(), None
+
+    def _finish(self, error: str | None = None) -> None:
+        self._error, self._keep = error, None
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        if not self._done.wait(seconds):
+            raise TransportError(f"sockets transport: {self.op} with rank {self.peer} timed out after "
+                                 f"{seconds:g} s")
+        if self._error is not None:
+            raise TransportError(f"sockets transport: {self.op} with rank {self.peer} failed: {self._error}")
+        return True
+
+
+def _bytes(t: Tensor, what: str) -> memoryview:
+    """The tensor's memory as bytes, without a copy (so a receive lands in the tensor itself)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"sockets transport: {what} tensor on {t.device}, only CPU tensors travel")
+    if not t.is_contiguous():
+        raise ValueError(f"sockets transport: {what} tensor must be contiguous")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _read_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError("connection closed")
+        got += k
+
+
+class _Early:
+    """A message that arrived before its receive was posted: read into memory, copied when claimed."""
+
+    __slots__ = ("data", "complete", "claimed_by")
+
+    def __init__(self, n: int):
+        self.data = bytearray(n)
+        self.complete = False
+        self.claimed_by: tuple[memoryview, Handle] | None = None
+
+
+def _deliver(data: bytearray, view: memoryview, handle: Handle) -> None:
+    if len(data) != len(view):
+        handle._finish(f"a message of {len(data)} bytes for a receive of {len(view)}")
+        return
+    view[:] = data
+    handle._finish()
+
+
+class _Outbound:
+    """The connection to one peer and the thread that writes its queued sends in order."""
+
+    def __init__(self, transport: SocketTransport, peer: int):
+        self.transport, self.peer = transport, peer
+        self.queue: deque[tuple[int, memoryview, Handle]] = deque()
+        self.cond = threading.Condition()
+        self.error: str | None = None
+        self.sock: socket.socket | None = None
+        threading.Thread(target=self._run, name=f"ms_send_{peer}", daemon=True).start()
+
+    def put(self, key: int, view: memoryview, handle: Handle) -> None:
+        with self.cond:
+            if self.error is not None:
+                handle._finish(self.error)
+                return
+            self.queue.append((key, view, handle))
+            self.cond.notify()
+
+    def _run(self) -> None:
+        t = self.transport
+        current: Handle | None = None
+        try:
+            self.sock = t._connect(self.peer)
+            while True:
+                with self.cond:
+                    while not self.queue and not t.closed:
+                        self.cond.wait()
+                    if t.closed:
+                        break
+                    key, view, current = self.queue.popleft()
+                self.sock.sendall(_HEADER.pack(key, len(view)))
+                if len(view):
+                    self.sock.sendall(view)
+                current._finish()
+                current = None
+            self._fail("the transport was closed", None)
+        except (OSError, ValueError, RuntimeError) as e:  # connection lost, peer gone, store timeout
+            self._fail(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, current)
+
+    def _fail(self, why: str, current: Handle | None) -> None:
+        with self.cond:
+            self.error = why if not self.transport.closed else "the transport was closed"
+            failed = [h for _, _, h in self.queue]
+            self.queue.clear()
+        for h in ([current] if current is not None else []) + failed:
+            h._finish(self.error)
+
+
+class _Inbound:
+    """What one peer has sent, or will: receives posted ahead, and messages that came first, per key."""
+
+    def __init__(self):
+        self.posted: defaultdict[int, deque[tuple[memoryview, Handle]]] = defaultdict(deque)
+        self.early: defaultdict[int, deque[_Early]] = defaultdict(deque)
+        self.error: str | None = None  # set once the peer's connection is gone: nothing more comes
+
+
+class SocketTransport:
+    """This process's end of the socket transport: `isend` and `irecv` by global rank and key."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, nonce: int, address: str):
+        self.rank, self.world, self.nonce, self.store = rank, world, nonce, store
+        self.closed = False
+        self._lock = threading.Lock()
+        self._out: dict[int, _Outbound] = {}
+        self._in: defaultdict[int, _Inbound] = defaultdict(_Inbound)
+        self._socks: list[socket.socket] = []
+        self._listener = socket.create_server((address, 0), backlog=max(16, world))
+        self._socks.append(self._listener)
+        store.set(self._key(rank), f"{address}:{self._listener.getsockname()[1]}")
+        threading.Thread(target=self._accept, name="ms_accept", daemon=True).start()
+
+    def _key(self, rank: int) -> str:
+        return f"sockets/{self.nonce}/{rank}"
+
+    # ---- the operations
+
+    def isend(self, tensor: Tensor, dst: int, key: int) -> Handle:
+        view = _bytes(tensor, "send")
+        handle = Handle("send", dst, tensor)
+        with self._lock:
+            out = self._out.get(dst)
+            if out is None:
+                out = self._out[dst] = _Outbound(self, dst)
+        out.put(key, view, handle)
+        return handle
+
+    def irecv(self, tensor: Tensor, src: int, key: int) -> Handle:
+        view = _bytes(tensor, "receive")
+        handle = Handle("receive", src, tensor)
+        with self._lock:
+            inbound = self._in[src]
+            early = inbound.early[key].popleft() if inbound.early[key] else None
+            if early is None:
+                if inbound.error is not None:
+                    handle._finish(inbound.error)
+                else:
+                    inbound.posted[key].append((view, handle))
+                return handle
+            if not early.complete:  # still being read: its reader delivers it
+                early.claimed_by = (view, handle)
+                return handle
+        _deliver(early.data, view, handle)
+        return handle
+
+    # ---- connections
+
+    def _connect(self, peer: int) -> socket.socket:
+        where = self.store.get(self._key(peer)).decode()
+        host, port = where.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=_CONNECT_TIMEOUT_S)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._socks.append(sock)
+        sock.sendall(_HELLO.pack(self.nonce, self.rank))
+        return sock
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._read, args=(sock,), name="ms_recv", daemon=True).start()
+
+    def _read(self, sock: socket.socket) -> None:
+        """Read one peer's messages until its connection ends."""
+        try:
+            hello = bytearray(_HELLO.size)
+            sock.settimeout(_CONNECT_TIMEOUT_S)
+            _read_into(sock, memoryview(hello))
+            nonce, src = _HELLO.unpack(hello)
+            if nonce != self.nonce or not 0 <= src < self.world:
+                sock.close()  # a rank of another job or attempt
+                return
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._socks.append(sock)
+        except (OSError, ConnectionError):
+            sock.close()
+            return
+        with self._lock:
+            inbound = self._in[src]
+        header = bytearray(_HEADER.size)
+        early: _Early | None = None
+        try:
+            while True:
+                _read_into(sock, memoryview(header))
+                key, n = _HEADER.unpack(header)
+                with self._lock:
+                    posted = inbound.posted.get(key)
+                    target = posted.popleft() if posted else None
+                    if target is None:
+                        early = _Early(n)
+                        inbound.early[key].append(early)
+                if target is not None:
+                    view, handle = target
+                    if len(view) == n:
+                        _read_into(sock, view)
+                        handle._finish()
+                    else:  # read it anyway, the stream stays in step; the receive fails
+                        _read_into(sock, memoryview(bytearray(n)))
+                        handle._finish(f"a message of {n} bytes for a receive of {len(view)}")
+                    continue
+                _read_into(sock, memoryview(early.data))
+                with self._lock:
+                    early.complete = True
+                    claimed = early.claimed_by
+                data, early = early.data, None
+                if claimed is not None:  # its receive was posted while it was being read
+                    _deliver(data, *claimed)
+        except (OSError, ConnectionError) as e:
+            self._peer_gone(inbound, src, early, e)
+
+    def _peer_gone(self, inbound: _Inbound, src: int, early: _Early | None, e: Exception) -> None:
+        why = "the transport was closed" if self.closed else f"connection from rank {src} lost ({e})"
+        with self._lock:
+            inbound.error = why
+            failed = [h for q in inbound.posted.values() for _, h in q]
+            inbound.posted.clear()
+            if early is not None and early.claimed_by is not None:
+                failed.append(early.claimed_by[1])
+        for h in failed:
+            h._finish(why)
+
+    def close(self) -> None:
+        """Stop: every connection closed (the peers' waits on this rank fail at once), threads end."""
+        self.closed = True
+        with self._lock:
+            socks, outs = list(self._socks), list(self._out.values())
+        for out in outs:
+            with out.cond:
+                out.cond.notify_all()
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def local_address() -> str:
+    """The address of the interface through which this host reaches MASTER_ADDR (a UDP socket's
+    connect sends nothing: it only asks the kernel for the route), where the peers can reach us."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(master), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,166 @@
+"""The socket transport (distributed/sockets.py): matching, early messages, dtypes, failures."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megascale.distributed.sockets import _HEADER, _HELLO, SocketTransport, TransportError
+from tests._dist import WorkerPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = WorkerPool(3)
+    yield p
+    p.close()
+
+
+def _transport(rank: int) -> SocketTransport:
+    """A transport of its own for one test (rank 0's nonce, so no test reads another's messages)."""
+    nonce = torch.tensor([secrets.randbits(62) + 1], dtype=torch.int64)
+    dist.broadcast(nonce, src=0)
+    store = dist.distributed_c10d._get_default_store()
+    return SocketTransport(store, rank, dist.get_world_size(), int(nonce), "127.0.0.1")
+
+
+def _payload(src: int, dst: int, key: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    return (torch.arange(n, dtype=torch.float64) + 1000 * src + 100 * dst + key).to(dtype)
+
+
+CASES = [(1, torch.float64, 5), (2, torch.bfloat16, 7), (3, torch.int64, 3), (4, torch.float32, 0),
+         (5, torch.float32, 1 << 20)]  # the last: 4 MiB, many reads per message
+
+
+def _exchange(rank: int):
+    t = _transport(rank)
+    world = dist.get_world_size()
+    peers = [r for r in range(world) if r != rank]
+    got: dict[tuple[int, int, int], torch.Tensor] = {}
+    handles = []
+    # half the receives posted before anything is sent, the other half after the peers' sends have
+    # landed (the early-message path), and keys posted in another order than they were sent
+    for src in peers:
+        for key, dtype, n in CASES[:2]:
+            for i in range(2):  # two messages of one key: matched in order
+                buf = torch.empty(n, dtype=dtype)
+                got[(src, key, i)] = buf
+                handles.append(t.irecv(buf, src, key))
+    dist.barrier()
+    sends = [t.isend(_payload(rank, dst, key, dtype, n) + i, dst, key)
+             for dst in peers for key, dtype, n in CASES for i in range(2)]
+    for h in sends:
+        h.wait(60)
+    dist.barrier()  # every message sent: those not yet posted for are early ones
+    for src in peers:
+        for key, dtype, n in reversed(CASES[2:]):
+            for i in range(2):
+                buf = torch.empty(n, dtype=dtype)
+                got[(src, key, i)] = buf
+                handles.append(t.irecv(buf, src, key))
+    for h in handles:
+        h.wait(60)
+    ok = all(torch.equal(buf, _payload(src, rank, key, buf.dtype, buf.numel()) + i)
+             for (src, key, i), buf in got.items())
+    # a receive of the wrong size fails on its own, naming the peer, and the stream stays in step
+    nxt = (rank + 1) % world
+    prv = (rank - 1) % world
+    t.isend(torch.ones(4), nxt, 9).wait(60)
+    t.isend(torch.full((2,), 7.0), nxt, 9).wait(60)
+    wrong, right = torch.empty(3), torch.empty(2)
+    h_wrong, h_right = t.irecv(wrong, prv, 9), t.irecv(right, prv, 9)
+    try:
+        h_wrong.wait(60)
+        mismatch = None
+    except TransportError as e:
+        mismatch = str(e)
+    h_right.wait(60)
+    dist.barrier()
+    t.close()
+    return ok, mismatch, right.tolist()
+
+
+def test_messages_match_by_peer_and_key_in_order(pool):
+    for rank, (ok, mismatch, right) in enumerate(pool.run(_exchange)):
+        assert ok
+        assert mismatch is not None and f"rank {(rank - 1) % 3}" in mismatch
+        assert "a message of 16 bytes for a receive of 12" in mismatch
+        assert right == [7.0, 7.0]
+
+
+def _failures(rank: int):
+    t = _transport(rank)
+    out = {}
+    if rank == 0:  # nobody sends: the wait fails at its timeout, as a hang
+        h = t.irecv(torch.empty(1), 1, 3)
+        t0 = time.monotonic()
+        try:
+            h.wait(0.3)
+        except TransportError as e:
+            out["timeout"] = (str(e), time.monotonic() - t0)
+        t.isend(torch.ones(1), 2, 1).wait(60)  # rank 2 now has a connection from rank 0 ...
+        h = t.irecv(torch.empty(1), 2, 5)  # ... and rank 0 one from rank 2, whose process "dies"
+        dist.barrier()
+        t0 = time.monotonic()
+        try:
+            h.wait(60)
+        except TransportError as e:
+            out["gone"] = (str(e), time.monotonic() - t0)
+        try:  # a receive posted after the peer left fails at once
+            t.irecv(torch.empty(1), 2, 6).wait(60)
+        except TransportError as e:
+            out["after"] = str(e)
+    elif rank == 2:
+        t.irecv(torch.empty(1), 0, 1).wait(60)
+        t.isend(torch.ones(1), 0, 4).wait(60)  # connected to rank 0, on another key
+        dist.barrier()
+        time.sleep(0.2)
+        t.close()
+    else:
+        dist.barrier()
+    dist.barrier()
+    t.close()
+    return out
+
+
+def test_a_wait_fails_at_its_timeout_and_at_once_when_the_peer_leaves(pool):
+    out = pool.run(_failures)[0]
+    msg, waited = out["timeout"]
+    assert "receive with rank 1 timed out after 0.3 s" in msg and waited < 5
+    msg, waited = out["gone"]
+    assert "receive with rank 2 failed" in msg and "connection from rank 2 lost" in msg
+    assert waited < 10  # not the 60 s timeout
+    assert "connection from rank 2 lost" in out["after"]
+
+
+def _stranger(rank: int):
+    t = _transport(rank)
+    if rank == 0:
+        buf = torch.zeros(1)
+        h = t.irecv(buf, 1, 2)
+        host, port = t._listener.getsockname()[:2]
+        with socket.create_connection((host, port)) as s:  # another attempt's rank 1, say
+            s.sendall(_HELLO.pack(t.nonce + 1, 1) + _HEADER.pack(2, 4) + b"\0" * 4)
+            time.sleep(0.3)
+        stranger_delivered = h.is_completed()
+        dist.barrier()
+        h.wait(60)
+        result = (stranger_delivered, buf.item())
+    else:
+        dist.barrier()
+        if rank == 1:
+            t.isend(torch.full((1,), 3.0), 0, 2).wait(60)
+        result = None
+    dist.barrier()
+    t.close()
+    return result
+
+
+def test_a_connection_from_another_attempt_is_dropped(pool):
+    stranger_delivered, value = pool.run(_stranger)[0]
+    assert not stranger_delivered and value == 3.0
