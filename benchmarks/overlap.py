@@ -277,27 +277,40 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
 LINK_SIZES = (1 << 16, 1 << 18, 1 << 20)
 
 
-def measure_link(pairs: list[list[int]], repeats: int = 40) -> dict:
+def measure_link(a: argparse.Namespace, pairs: list[list[int]], repeats: int = 40) -> dict:
     """The alpha-beta of the cluster's links as collectives see them, every pair at once (as the tp
     pairs of a dp2 x pp2 x tp2 step communicate), and the host CPU they cost: least-squares lines
     through the time of a 2-rank all-gather of S bytes, t(S) = alpha + S / 2 / bandwidth, and through
     the machine's busy CPU-seconds per all-gather of one pair (both ends; the kernel's softirq work for
-    veth and tbf included), at the LINK_SIZES. Every rank calls it (groups are made collectively)."""
+    veth and tbf included), at the LINK_SIZES. The all-gather goes as the rows' do: direct sends over
+    `--transport` (gloo's own with --gloo-collectives). Every rank calls it (groups are made
+    collectively)."""
     import torch
     import torch.distributed as dist
+
+    from megascale.distributed import direct, p2p
 
     rank = dist.get_rank()
     groups = [dist.new_group(p) for p in pairs]
     group = next(g for g, p in zip(groups, pairs, strict=True) if rank in p)
+    if a.transport == "sockets" and not a.gloo_collectives:
+        p2p.use_sockets((group,))
+
+    def all_gather(out, mine):
+        if a.gloo_collectives:
+            dist.all_gather_into_tensor(out, mine, group=group)
+        else:
+            direct.start_all_gather(out, mine, group).wait()
+
     def loop(size: int) -> tuple[float, float]:
         """(seconds of one all-gather, the machine's CPU-seconds per all-gather of one pair): back to
         back, as a step's collectives come, between two barriers."""
         out, mine = torch.empty(size // 4), torch.ones(size // 8)
-        dist.all_gather_into_tensor(out, mine, group=group)  # connections made, buffers touched
+        all_gather(out, mine)  # connections made, buffers touched
         dist.barrier()
         busy0, t0 = machine_busy_s(), time.perf_counter()
         for _ in range(repeats):
-            dist.all_gather_into_tensor(out, mine, group=group)
+            all_gather(out, mine)
         dist.barrier()
         wall, busy = time.perf_counter() - t0, machine_busy_s() - busy0
         return wall / repeats, busy / repeats / len(pairs)
@@ -391,7 +404,7 @@ def ablation_worker(a: argparse.Namespace) -> None:
            "wall": wall, "ranks_cpu_s": ranks_sum(own), "nocomm_ranks_cpu_s": ranks_sum(bare_own),
            "runs": [run]}
     if a.row == a.ablation_rows[0] and a.sweep == 0:  # the layout's tp pairs (adjacent ranks)
-        out["link"] = measure_link([[r, r + 1] for r in range(0, 8, 2)])
+        out["link"] = measure_link(a, [[r, r + 1] for r in range(0, 8, 2)])
     if int(os.environ["RANK"]) == 0:
         print("RESULT " + json.dumps(out), flush=True)
     shutdown_distributed()
@@ -582,7 +595,7 @@ def main() -> int:
     p.add_argument("--tail-buckets", type=int, default=4, help="parallel.dp_tail_buckets (1: off)")
     p.add_argument("--gloo-collectives", action="store_true",
                    help="parallel.direct_collectives=false: gloo's own (its reduce-scatter an all-reduce)")
-    p.add_argument("--transport", choices=("gloo", "sockets"), default="gloo",
+    p.add_argument("--transport", choices=("gloo", "sockets"), default="sockets",
                    help="parallel.transport: what carries the p2p messages (distributed/sockets.py)")
     p.add_argument("--tp-chunks", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900.0)

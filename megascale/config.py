@@ -85,10 +85,10 @@ class ParallelConfig:
     # on gloo, the dp and tp reduce-scatters and all-gathers as direct sends (distributed/direct.py):
     # half the bytes of gloo's reduce-scatter (an all-reduce); its all-gather 1.4x slower on a slow link
     direct_collectives: bool = True
-    # on gloo, what carries point-to-point messages (the direct collectives above, the pipeline's
-    # activations and gradients): "gloo", or "sockets", our own TCP transport, about a third of
-    # gloo's CPU per message (distributed/sockets.py, benchmarks/transport.py)
-    transport: str = "gloo"
+    # on gloo, what carries the point-to-point messages (the direct collectives above, the pipeline's
+    # activations and gradients): "sockets", our own TCP transport, a fraction of gloo's CPU and time
+    # per message (distributed/sockets.py, benchmarks/transport.py), or "gloo"'s isend/irecv
+    transport: str = "sockets"
     pp_overlap: bool = True  # receives posted ahead of the compute that needs them, sends completed lazily
     tp_overlap: bool = False  # all-gather/reduce-scatter pipelined with the TP GEMMs in chunks (tp > 1)
     tp_overlap_chunks: int = 2  # chunks per overlapped TP GEMM (tp_overlap)

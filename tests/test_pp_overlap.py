@@ -22,6 +22,7 @@ import torch.distributed as dist
 from _dist import WorkerPool, one_thread_fixture, pools_fixture  # noqa: F401 - fixtures found by name
 
 from megascale.config import ModelConfig, ParallelConfig
+from megascale.distributed import p2p
 from megascale.model import GPT
 from megascale.parallel import Mesh
 from megascale.parallel.pipeline import PipelineStage, load_stage_state_dict, pipeline_step
@@ -224,13 +225,14 @@ def model_config() -> ModelConfig:
 
 
 class RecordP2P:
-    """Which group each isend / irecv of a tag went over (the P2P module calls torch.distributed's)."""
+    """Which group each isend / irecv of a tag went over (the P2P module calls distributed/p2p.py's,
+    which hands them to the socket transport or to torch.distributed's)."""
 
     def __init__(self):
         self.calls: list[tuple[str, int, object]] = []
 
     def __enter__(self):
-        self.real = dist.isend, dist.irecv
+        self.real = p2p.isend, p2p.irecv
 
         def wrap(name, fn):
             def call(tensor, *args, group=None, tag=0, **kw):
@@ -238,11 +240,11 @@ class RecordP2P:
                 return fn(tensor, *args, group=group, tag=tag, **kw)
             return call
 
-        dist.isend, dist.irecv = wrap("isend", self.real[0]), wrap("irecv", self.real[1])
+        p2p.isend, p2p.irecv = wrap("isend", self.real[0]), wrap("irecv", self.real[1])
         return self
 
     def __exit__(self, *exc):
-        dist.isend, dist.irecv = self.real
+        p2p.isend, p2p.irecv = self.real
         return False
 
 

@@ -164,3 +164,28 @@ def _stranger(rank: int):
 def test_a_connection_from_another_attempt_is_dropped(pool):
     stranger_delivered, value = pool.run(_stranger)[0]
     assert not stranger_delivered and value == 3.0
+
+
+def _mesh_routes(rank: int):
+    from megascale.config import ParallelConfig
+    from megascale.distributed import p2p
+    from megascale.parallel.mesh import Mesh
+
+    ours = Mesh.build(ParallelConfig(dp=3))  # the default transport
+    theirs = Mesh.build(ParallelConfig(dp=3, transport="gloo"))
+    routed = (p2p.routed(ours.dp_group), p2p.routed(theirs.dp_group))
+    # a direct all-gather on each: the same numbers either way
+    from megascale.distributed.direct import start_all_gather
+
+    outs = []
+    for mesh in (ours, theirs):
+        out = torch.empty(6, dtype=torch.float64)
+        start_all_gather(out, torch.full((2,), float(rank)), mesh.dp_group).wait()
+        outs.append(out.tolist())
+    return routed, outs
+
+
+def test_the_mesh_routes_its_groups_by_parallel_transport(pool):
+    for routed, (ours, theirs) in pool.run(_mesh_routes):
+        assert routed == (True, False)
+        assert ours == theirs == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]

@@ -52,23 +52,24 @@ MODELS = {
 }
 
 # name: (world, parallel overrides, model, optimizer, dtype, also stop after 4 steps and resume);
-# "-sockets": the point-to-point messages over our transport (distributed/sockets.py), not gloo
+# "-gloo": the point-to-point messages over gloo's isend/irecv, not our transport (distributed/sockets.py)
 LAYOUTS = {
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "gpt", "adamw", "fp32", False),
     "tp2-sp-overlap": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true",
                            "parallel.tp_overlap_chunks=2"], "gpt", "adamw", "fp64", False),
     "pp2-1f1b": (2, ["parallel.pp=2"], "llama-parallel", "lamb", "fp64", False),
     "pp2-vpp2-interleaved": (2, ["parallel.pp=2", "parallel.vpp=2"], "gpt-sliding", "adamw", "fp32", False),
-    "pp2-vpp2-overlap-off-sockets": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_overlap=false",
-                                         "parallel.transport=sockets"], "gpt", "adamw", "fp64", False),
+    "pp2-vpp2-overlap-off-gloo": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_overlap=false",
+                                      "parallel.transport=gloo"], "gpt", "adamw", "fp64", False),
     "dp2": (2, ["parallel.dp=2", "parallel.dp_bucket_size=3000"], "gpt-parallel", "lamb", "fp32", False),
     "dp2-pp2": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.dp_bucket_size=3000"], "gpt-parallel",
                 "adamw", "fp32", False),
-    "dp2-tp2-sp": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                       "parallel.dp_bucket_size=3000"], "llama-sliding", "adamw", "fp64", True),
-    "dp2-pp2-tp2-sp-sockets": (8, ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2",
-                                   "parallel.sequence_parallel=true", "parallel.dp_bucket_size=3000",
-                                   "parallel.transport=sockets"], "gpt", "lamb", "fp64", True),
+    "dp2-tp2-sp-gloo": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                            "parallel.dp_bucket_size=3000", "parallel.transport=gloo"], "llama-sliding",
+                        "adamw", "fp64", True),
+    "dp2-pp2-tp2-sp": (8, ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2",
+                           "parallel.sequence_parallel=true", "parallel.dp_bucket_size=3000"],
+                       "gpt", "lamb", "fp64", True),
 }
 
 

@@ -1,12 +1,14 @@
 """Point-to-point messages over plain TCP sockets, for CPU jobs: `parallel.transport = "sockets"`.
 
-Why. On CPU every message that torch's gloo backend carries costs each end 250-500 us of CPU,
-whatever its size (`benchmarks/transport.py`): the call goes through gloo's work queue, its
-pair's "ready to receive" handshake and its event-loop thread, a dozen thread hand-offs and
-some forty system calls. On a rank that shares its cores with the others (every CPU job) that
-CPU comes out of the compute an overlap runs beside, which is why communication on CPU looked
-like compute. A message here is a header and a payload written by one thread and read by one:
-about a third of the CPU, and the wall time on loopback falls with it.
+Why. torch's gloo backend spends far more CPU on a message than its bytes need: the call goes
+through gloo's work queue, its pair's "ready to receive" handshake and its event-loop thread
+(strace of a 64-byte all-reduce between two ranks: ~28 futex calls and ~60 system calls each).
+On a rank that shares its cores with the others (every CPU job) that CPU comes out of the
+compute an overlap runs beside, which is why communication on CPU looked like compute. Here a
+message is a header and a payload, written by one thread and read by another:
+`benchmarks/transport.py` gives both transports' wall and CPU per exchange (ours is ahead at
+every size, by 1.3-5x at 256 KiB - 1 MiB, with wide swings between runs on a shared VM), and the
+dp2 x pp2 x tp2 ablation (`benchmarks/overlap.py --ablation`) steps 9-13% faster on it.
 
 What it carries: the exchanges that are point-to-point underneath, the direct reduce-scatters
 and all-gathers of DP and TP/SP (distributed/direct.py) and the pipeline's activations and
