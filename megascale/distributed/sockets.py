@@ -6,9 +6,10 @@ through gloo's work queue, its pair's "ready to receive" handshake and its event
 On a rank that shares its cores with the others (every CPU job) that CPU comes out of the
 compute an overlap runs beside, which is why communication on CPU looked like compute. Here a
 message is a header and a payload, written by one thread and read by another:
-`benchmarks/transport.py` gives both transports' wall and CPU per exchange (ours is ahead at
-every size, by 1.3-5x at 256 KiB - 1 MiB, with wide swings between runs on a shared VM), and the
-dp2 x pp2 x tp2 ablation (`benchmarks/overlap.py --ablation`) steps 9-13% faster on it.
+`benchmarks/transport.py` gives both transports' wall and CPU per exchange: over three runs
+gloo took 1.3-4x our wall time and 1.3-5x our CPU for a direct all-gather of 4 KiB - 1 MiB
+(wide swings between runs on a shared VM). The dp2 x pp2 x tp2 ablation's steps
+(`benchmarks/overlap.py --ablation`) are 9-13% shorter on it (two rows, the transports back to back).
 
 What it carries: the exchanges that are point-to-point underneath, the direct reduce-scatters
 and all-gathers of DP and TP/SP (distributed/direct.py) and the pipeline's activations and
@@ -120,39 +121,64 @@ def _deliver(data: bytearray, view: memoryview, handle: Handle) -> None:
 
 
 class _Outbound:
-    """The connection to one peer and the thread that writes its queued sends in order."""
+    """The connection to one peer and the thread that writes its queued sends in order.
+
+    A send that finds the connection idle is written by its caller, as much as the socket takes
+    without blocking (usually all of it): no thread hand-off, which costs more CPU than the write
+    on a busy machine. The writer thread takes the rest, and everything queued behind it."""
 
     def __init__(self, transport: SocketTransport, peer: int):
         self.transport, self.peer = transport, peer
-        self.queue: deque[tuple[int, memoryview, Handle]] = deque()
+        self.queue: deque[tuple[bytes, memoryview, Handle]] = deque()  # (header left, payload left, op)
         self.cond = threading.Condition()
         self.error: str | None = None
-        self.sock: socket.socket | None = None
+        self.sock: socket.socket | None = None  # set once connected
+        self.writing = False  # the writer thread is writing an item (outside the lock)
         threading.Thread(target=self._run, name=f"ms_send_{peer}", daemon=True).start()
 
     def put(self, key: int, view: memoryview, handle: Handle) -> None:
+        head = _HEADER.pack(key, len(view))
         with self.cond:
             if self.error is not None:
                 handle._finish(self.error)
                 return
-            self.queue.append((key, view, handle))
+            if self.sock is not None and not self.queue and not self.writing:
+                try:
+                    sent = self.sock.sendmsg([head, view] if len(view) else [head], (), socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    sent = 0  # the writer thread meets the error again, and fails what is queued
+                if sent == len(head) + len(view):
+                    handle._finish()
+                    return
+                if sent < len(head):
+                    head = head[sent:]
+                else:
+                    head, view = b"", view[sent - len(head):]
+            self.queue.append((head, view, handle))
             self.cond.notify()
 
     def _run(self) -> None:
         t = self.transport
         current: Handle | None = None
         try:
-            self.sock = t._connect(self.peer)
+            sock = t._connect(self.peer)
+            with self.cond:
+                self.sock = sock
             while True:
                 with self.cond:
+                    self.writing = False
                     while not self.queue and not t.closed:
                         self.cond.wait()
                     if t.closed:
                         break
-                    key, view, current = self.queue.popleft()
-                self.sock.sendall(_HEADER.pack(key, len(view)))
+                    head, view, current = self.queue.popleft()
+                    self.writing = True
+                if head:
+                    sock.sendall(head)
                 if len(view):
-                    self.sock.sendall(view)
+                    sock.sendall(view)
                 current._finish()
                 current = None
             self._fail("the transport was closed", None)
