@@ -7,7 +7,7 @@ On a rank that shares its cores with the others (every CPU job) that CPU comes o
 compute an overlap runs beside, which is why communication on CPU looked like compute. Here a
 message is a header and a payload, written by one thread and read by another:
 `benchmarks/transport.py` gives both transports' wall and CPU per exchange: over three runs
-gloo took 1.3-4x our wall time and 1.3-5x our CPU for a direct all-gather of 4 KiB - 1 MiB
+gloo took 1.3-3.7x our wall time and 1.1-3.8x our CPU for a direct all-gather of 4 KiB - 1 MiB
 (wide swings between runs on a shared VM). The dp2 x pp2 x tp2 ablation's steps
 (`benchmarks/overlap.py --ablation`) are 9-13% shorter on it (two rows, the transports back to back).
 
