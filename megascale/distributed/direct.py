@@ -29,9 +29,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megascale.distributed import p2p
-from megascale.distributed.p2p import p2p_timeout
-
-__all__ = ["Exchange", "p2p_timeout", "start_all_gather", "start_reduce_scatter"]
 
 
 def start_reduce_scatter(out: Tensor, inp: Tensor, group, tag: int = 0,
@@ -56,7 +53,7 @@ def start_reduce_scatter(out: Tensor, inp: Tensor, group, tag: int = 0,
     peers = [r for r in range(n) if r != me]
     works = [p2p.irecv(buf, src=ranks[r], group=group, tag=tag) for r, buf in zip(peers, inbox, strict=True)]
     works += [p2p.isend(chunks[r], dst=ranks[r], group=group, tag=tag) for r in peers]
-    return Exchange(out, inbox, works, (inp, flat), p2p_timeout(group))
+    return Exchange(out, inbox, works, (inp, flat), p2p.p2p_timeout(group))
 
 
 def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
@@ -74,7 +71,7 @@ def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
     peers = [r for r in range(n) if r != me]
     works = [p2p.irecv(parts[r], src=ranks[r], group=group, tag=tag) for r in peers]
     works += [p2p.isend(parts[me], dst=ranks[r], group=group, tag=tag) for r in peers]
-    return Exchange(out, [], works, (inp, out), p2p_timeout(group))
+    return Exchange(out, [], works, (inp, out), p2p.p2p_timeout(group))
 
 
 class Exchange:

@@ -29,20 +29,22 @@ _MESHES = 0  # meshes routed over sockets so far in this process: the channels' 
 _TAG_BITS = 32
 
 
-def isend(tensor: Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0):
+def _key(group: dist.ProcessGroup | None, tag: int) -> tuple[SocketTransport, int] | None:
+    """(transport, message key) for a routed group, None for one torch.distributed carries."""
     route = _ROUTES.get(group) if group is not None else None
-    if route is None:
+    return None if route is None else (route[0], (route[1] << _TAG_BITS) | tag)
+
+
+def isend(tensor: Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0):
+    if (ours := _key(group, tag)) is None:
         return dist.isend(tensor, dst=dst, group=group, tag=tag)
-    transport, channel = route
-    return transport.isend(tensor, dst, (channel << _TAG_BITS) | tag)
+    return ours[0].isend(tensor, dst, ours[1])
 
 
 def irecv(tensor: Tensor, src: int, group: dist.ProcessGroup | None = None, tag: int = 0):
-    route = _ROUTES.get(group) if group is not None else None
-    if route is None:
+    if (ours := _key(group, tag)) is None:
         return dist.irecv(tensor, src=src, group=group, tag=tag)
-    transport, channel = route
-    return transport.irecv(tensor, src, (channel << _TAG_BITS) | tag)
+    return ours[0].irecv(tensor, src, ours[1])
 
 
 def routed(group: dist.ProcessGroup | None) -> bool:
