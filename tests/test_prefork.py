@@ -5,8 +5,11 @@ stand-in, even stopped."""
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -82,6 +85,51 @@ def test_sigterm_to_the_stand_in_reaches_the_worker(server):
     p.send_signal(signal.SIGTERM)
     p.communicate(timeout=60)
     assert p.returncode == 7
+
+
+def caught(pid: int, sig: int) -> bool:
+    """Whether process pid has a handler for sig (its SigCgt mask)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+def test_a_signal_before_the_worker_exists_is_held_and_passed_on(server):
+    # the server is stopped, so the stand-in waits for its worker's pid; elastic's SIGTERM comes then
+    os.kill(server._proc.pid, signal.SIGSTOP)
+    try:
+        p = start(server, "import time; time.sleep(60)")
+        end = time.time() + 30
+        while not caught(p.pid, signal.SIGTERM):
+            assert time.time() < end, "the stand-in never caught SIGTERM while it waited for its worker"
+            time.sleep(0.01)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        assert p.poll() is None, "the stand-in died alone, before its worker existed"
+    finally:
+        os.kill(server._proc.pid, signal.SIGCONT)
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGTERM  # the worker got it, died of it, and the stand-in mirrored that
+
+
+def test_a_stand_in_that_dies_with_its_reply_unread_does_not_end_the_server(server):
+    # a unix socket closed with unread data resets its peer: the server's read fails with ECONNRESET
+    r, w = os.pipe()
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(server.path)
+    req = json.dumps({"argv": ["-c", "import time; time.sleep(60)"], "env": dict(os.environ),
+                      "cwd": os.getcwd()}).encode()
+    socket.send_fds(s, [len(req).to_bytes(8, "big") + req], [r, w, w])
+    select.select([s], [], [], 60)
+    worker = int(s.recv(64, socket.MSG_PEEK).split(b"\n")[0])  # a peek: the reply stays unread
+    s.close()
+    assert gone(worker), f"worker {worker} outlived its stand-in"
+    p = start(server, "print('still serving')")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and out == "still serving\n", err
+    os.close(r)
+    os.close(w)
 
 
 def test_a_stopped_worker_dies_with_its_stand_in(server):

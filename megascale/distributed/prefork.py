@@ -138,7 +138,7 @@ def serve(listen_fd: int, alive_fd: int) -> None:
                 os._exit(0)
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
-            elif key.data in conns and not key.fileobj.recv(1):  # its stand-in died: SIGKILLed by elastic
+            elif key.data in conns and _closed(key.fileobj):  # its stand-in died: SIGKILLed by elastic
                 sel.unregister(key.fileobj)
                 _kill(key.data)
         while conns:  # report every worker that ended
@@ -157,6 +157,16 @@ def serve(listen_fd: int, alive_fd: int) -> None:
                 with contextlib.suppress(KeyError):  # unregistered already if so
                     sel.unregister(conn)
                 conn.close()
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Whether a stand-in's connection has ended. A stand-in sends nothing after its request, so a
+    readable connection is a closed one: an EOF, or a reset when it died with our reply unread (a unix
+    socket's reset, which must not end the server and with it every worker of the host)."""
+    try:
+        return not conn.recv(1)
+    except OSError:
+        return True
 
 
 def _kill(pid: int) -> None:

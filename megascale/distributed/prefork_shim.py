@@ -17,6 +17,20 @@ import sys
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 def main() -> None:
+    # Signals are caught from the first line: one that comes before the server has named the worker
+    # (elastic's SIGTERM at a quick restart) is held and passed on once it has, rather than ending the
+    # stand-in alone and leaving its worker to be SIGKILLed when the server sees the connection close.
+    worker: list[int] = []
+    held: list[int] = []
+
+    def forward(n: int, _frame) -> None:
+        if worker:
+            os.kill(worker[0], n)
+        else:
+            held.append(n)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     where = os.environ["MEGASCALE_PREFORK"]
     s = socket.socket(socket.AF_UNIX)
     try:
@@ -29,9 +43,9 @@ def main() -> None:
     line = replies.readline()  # the worker's pid, once the server has preloaded and forked
     if not line:
         sys.exit(f"megascale: the prefork server at {where} ended before starting this worker")
-    pid = int(line)
-    for sig in FORWARDED:
-        signal.signal(sig, lambda n, _frame: os.kill(pid, n))
+    worker.append(int(line))
+    for n in held:
+        os.kill(worker[0], n)
     kind, _, n = replies.readline().partition(" ")
     if kind == "signal":  # die the same death, so elastic reads the same negative exit code
         if int(n) in FORWARDED:
