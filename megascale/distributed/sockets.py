@@ -93,9 +93,12 @@ def _bytes(t: Tensor, what: str) -> memoryview:
 
 
 def _read_into(sock: socket.socket, view: memoryview) -> None:
+    # MSG_WAITALL: the kernel fills the whole view before it returns. A plain recv returns whatever has
+    # arrived, which on a rate-limited link is a few segments: one Python iteration, and one take of the
+    # GIL from the training thread, per segment (a blocking socket only; with a timeout it reads as usual)
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if not k:
             raise ConnectionError("connection closed")
         got += k
