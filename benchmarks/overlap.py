@@ -21,6 +21,9 @@ all three alike. Step times are medians of Trainer.train_step's time over the ti
 communication the slowest rank's per step, all measured in one run. H comes with a 90% bootstrap
 interval over the rounds: on 2 shared cores one step moves by 10% and more, and H is a ratio of two
 differences of such medians, so a single figure says little without it.
+The pp overlap is parallel.pp_overlap with one 1F1B warm-up forward ahead (parallel.pp_warmup_ahead=1,
+`--pp-ahead`): posting receives early cannot shorten the steady phase's round trip (an activation out,
+the next stage's forward and backward, its gradient back), running a forward ahead can.
 `--tail-buckets 1` and `--gloo-collectives` turn off the dp refinements (parallel.dp_tail_buckets,
 parallel.direct_collectives) to see what each buys. Goals of
 issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
@@ -72,14 +75,14 @@ DIMS = {
             ("dp", "pp", "tp")),
 }
 VARIANTS = ("serial", "overlap", "nocomm")
-OFF = [f"parallel.{f}=false" for f in DIMS["all"][2]]
+OFF = [*(f"parallel.{f}=false" for f in DIMS["all"][2]), "parallel.pp_warmup_ahead=0"]
 # MegaScale's ablation (its Table 2), cumulative rows on one dp2 x pp2 x tp2 layout, one rank per host
 ABLATION = [
     ("baseline", ["model.block=sequential", "model.attention=full", *OFF]),
     ("+ parallel block", ["model.block=parallel"]),
     ("+ sliding window", ["model.attention=sliding", "model.window={window}"]),
     ("+ TP overlap", ["parallel.tp_overlap=true"]),
-    ("+ PP overlap", ["parallel.pp_overlap=true"]),
+    ("+ PP overlap", ["parallel.pp_overlap=true", "parallel.pp_warmup_ahead={pp_ahead}"]),
     ("+ DP overlap", ["parallel.dp_overlap_grad_reduce=true", "parallel.dp_overlap_param_gather=true"]),
     ("+ LAMB, 4x batch", ["optim.name=lamb", "train.global_batch={batch4}"]),
 ]
@@ -105,6 +108,7 @@ def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> li
         f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
         f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}",
         f"train.run_dir={json.dumps(run_dir)}", *layout, *[f"parallel.{f}={str(on).lower()}" for f in flags],
+        f"parallel.pp_warmup_ahead={a.pp_ahead if on and 'pp_overlap' in flags else 0}",
     ]
 
 
@@ -223,7 +227,7 @@ def ablation_rows(a: argparse.Namespace, base: str) -> list[tuple[str, list[str]
     """(row, the Trainer's overrides) of each ablation row: every row adds its switch to the last."""
     rows, extra = [], []
     for name, more in ABLATION:
-        extra += [o.format(window=a.seq // 4, batch4=4 * a.batch) for o in more]
+        extra += [o.format(window=a.seq // 4, batch4=4 * a.batch, pp_ahead=a.pp_ahead) for o in more]
         args = [o for o in overrides(a, "all", "overlap", f"{base}/ablation-{len(rows)}")
                 if not o.startswith("log.peak_flops")]
         rows.append((name, [*args, *ABLATION_LAYOUT, *extra]))
@@ -265,7 +269,8 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
         m, p = cfg.model, cfg.parallel
         m.vocab_size = m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
         settings = Settings("row", parallel_block=m.block == "parallel", tp_overlap=p.tp_overlap,
-                            pp_overlap=p.pp_overlap, dp_overlap=p.dp_overlap_grad_reduce)
+                            pp_overlap=p.pp_overlap, dp_overlap=p.dp_overlap_grad_reduce,
+                            pp_warmup_ahead=p.pp_warmup_ahead)
         lay = Layout(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, micro_batch=cfg.train.micro_batch,
                      sequence_parallel=p.sequence_parallel)
         out.append(predict(m, lay, sim, settings, cfg.train.global_batch, policy="fp32", explain=True))
@@ -598,6 +603,8 @@ def main() -> int:
     p.add_argument("--transport", choices=("gloo", "sockets"), default="sockets",
                    help="parallel.transport: what carries the p2p messages (distributed/sockets.py)")
     p.add_argument("--tp-chunks", type=int, default=2)
+    p.add_argument("--pp-ahead", type=int, default=1,
+                   help="parallel.pp_warmup_ahead of the pp overlap (0: Megatron's 1F1B warm-up)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--keep", help="write the runs' directories (traces, metrics) here and keep them")
     p.add_argument("--raw", action="store_true", help="also print each variant's breakdown (seconds)")
@@ -618,7 +625,7 @@ def main() -> int:
         return 0
     a.forward = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
                  ("steps", "rounds", "ablation_rounds", "warmup", "layers", "d_model", "seq", "batch",
-                  "micro", "dp_micro", "bucket", "tail_buckets", "tp_chunks", "transport")]
+                  "micro", "dp_micro", "bucket", "tail_buckets", "tp_chunks", "transport", "pp_ahead")]
     a.forward += ["--gloo-collectives"] if a.gloo_collectives else []
     a.forward += ["--ablation-rows", *map(str, a.ablation_rows)]
 

@@ -90,6 +90,10 @@ class ParallelConfig:
     # per message (distributed/sockets.py, benchmarks/transport.py), or "gloo"'s isend/irecv
     transport: str = "sockets"
     pp_overlap: bool = True  # receives posted ahead of the compute that needs them, sends completed lazily
+    # 1f1b: forwards every rank but the last runs beyond Megatron's warm-up, so the steady phase does not
+    # wait for the round trip of an activation and its gradient (schedule.py); that many more
+    # micro-batches of activations held on those ranks. 0: Megatron's 1F1B
+    pp_warmup_ahead: int = 0
     tp_overlap: bool = False  # all-gather/reduce-scatter pipelined with the TP GEMMs in chunks (tp > 1)
     tp_overlap_chunks: int = 2  # chunks per overlapped TP GEMM (tp_overlap)
 
@@ -438,6 +442,7 @@ def validate(cfg: Config) -> None:
     for name in ("tp", "pp", "vpp", "dp_bucket_size", "dp_tail_buckets", "tp_overlap_chunks"):
         _positive(f"parallel.{name}", getattr(p, name))
     _positive("parallel.dp", p.dp, allow_zero=True)  # 0: from the world, at start (check_world_size)
+    _positive("parallel.pp_warmup_ahead", p.pp_warmup_ahead, allow_zero=True)
     _choice("parallel.schedule", p.schedule, ("auto", "1f1b", "interleaved", "afab"))
     _choice("parallel.transport", p.transport, ("gloo", "sockets"))
     validate_layout(cfg)
@@ -538,6 +543,10 @@ def validate_layout(cfg: Config) -> None:
                           "interleaved (or afab)")
     if p.vpp == 1 and schedule == "interleaved":
         raise ConfigError("parallel.schedule: interleaved needs parallel.vpp > 1")
+    if p.pp_warmup_ahead and p.pp > 1 and schedule != "1f1b":
+        raise ConfigError(f"parallel.pp_warmup_ahead: {p.pp_warmup_ahead} is for the 1f1b schedule, not "
+                          f"{schedule} (afab runs every forward first; the interleaved warm-up already runs "
+                          "ahead, as Megatron's does)")
     if m.n_layers < p.pp * p.vpp:
         raise ConfigError(f"model.n_layers: {m.n_layers} layers do not fill parallel.pp * parallel.vpp = "
                           f"{p.pp * p.vpp} virtual stages (each needs at least one layer)")

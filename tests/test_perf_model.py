@@ -137,6 +137,24 @@ def test_blocking_p2p_costs_more_than_async_and_dp_overlap_hides_traffic():
     assert t_async <= t_overlap < t_serial
 
 
+def test_a_1f1b_run_ahead_takes_the_round_trip_out_of_the_steady_phase_for_a_micro_batch_of_memory():
+    # pp2, 8 micro-batches, F 1 s, B 2 s, 0.3 s a message: with Megatron's warm-up every steady
+    # backward of rank 0 waits for its activation's round trip; one forward ahead leaves only the
+    # warm-up's and cool-down's messages exposed
+    spec = pipeline.PipelineSpec(2, 1, 8, [1.0, 1.0], [2.0, 2.0], p2p=[0.3, 0.3])
+    ideal = (8 + 2 - 1) * 3.0
+    megatron = pipeline.simulate(spec).makespan
+    ahead = pipeline.simulate(dataclasses.replace(spec, ahead=1)).makespan
+    assert ahead == pytest.approx(ideal + 2 * 0.3)  # the first activation out, the last gradient back
+    assert megatron > ahead + 1.0
+    # blocking sends stall the sender: running ahead buys nothing there
+    blocking = dataclasses.replace(spec, async_p2p=False)
+    assert pipeline.simulate(dataclasses.replace(blocking, ahead=1)).makespan == pytest.approx(
+        pipeline.simulate(blocking).makespan)
+    assert pipeline.max_inflight(pipeline.schedule(2, 1, 8, 0, ahead=1)) == 3  # one more than p
+    assert pipeline.max_inflight(pipeline.schedule(2, 1, 8, 1, ahead=1)) == 1  # the last rank as before
+
+
 # ---- memory ------------------------------------------------------------------------------
 
 

@@ -29,8 +29,8 @@ from megascale.parallel.pipeline import (
 )
 
 
-def ops(name: str, pp: int, rank: int, m: int, vpp: int = 1) -> str:
-    return " ".join(str(op) for op in schedule_ops(name, pp, rank, m, vpp))
+def ops(name: str, pp: int, rank: int, m: int, vpp: int = 1, ahead: int = 0) -> str:
+    return " ".join(str(op) for op in schedule_ops(name, pp, rank, m, vpp, ahead))
 
 
 # ---------------------------------------------------------------------------------------
@@ -104,6 +104,17 @@ def test_1f1b_order_is_megatrons():
     assert ops("1f1b", 4, 3, 6) == "F0.0 B0.0 F1.0 B1.0 F2.0 B2.0 F3.0 B3.0 F4.0 B4.0 F5.0 B5.0"
 
 
+def test_1f1b_run_ahead_adds_warmup_forwards_on_all_but_the_last_rank():
+    # parallel.pp_warmup_ahead=1: one more forward before the first backward; backwards in the same order
+    assert ops("1f1b", 2, 0, 4, ahead=1) == "F0.0 F1.0 F2.0 B0.0 F3.0 B1.0 B2.0 B3.0"
+    assert ops("1f1b", 2, 1, 4, ahead=1) == ops("1f1b", 2, 1, 4)  # the last rank has nobody to run ahead of
+    assert ops("1f1b", 4, 1, 6, ahead=2) == "F0.0 F1.0 F2.0 F3.0 F4.0 B0.0 F5.0 B1.0 B2.0 B3.0 B4.0 B5.0"
+    assert ops("1f1b", 2, 0, 2, ahead=3) == ops("afab", 2, 0, 2)  # capped by the micro-batches
+    for pp, m, ahead in [(2, 4, 1), (2, 8, 2), (4, 4, 1), (4, 9, 1), (4, 9, 3)]:
+        # the same ideal bubble (messages free), no deadlock, channels in order
+        assert simulate("1f1b", pp, m, ahead=ahead) == pytest.approx(theoretical_bubble(pp, m))
+
+
 def test_interleaved_order_is_megatrons():
     # pp=2, vpp=2, m=4: warm-up 4 on rank 0, 2 on rank 1; micro-batches in groups of pp per chunk
     assert ops("interleaved", 2, 0, 4, 2) == (
@@ -145,7 +156,8 @@ def test_simulator_catches_a_deadlock(monkeypatch):
     real = sched.one_f_one_b
     # the last rank tries a backward before the forward it depends on
     bad = [sched.Op("B", 0), sched.Op("F", 0), sched.Op("F", 1), sched.Op("B", 1)]
-    monkeypatch.setattr(sched, "one_f_one_b", lambda pp, rank, m: bad if rank == 1 else real(pp, rank, m))
+    monkeypatch.setattr(sched, "one_f_one_b",
+                        lambda pp, rank, m, ahead=0: bad if rank == 1 else real(pp, rank, m))
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate("1f1b", 2, 2)
 
@@ -155,7 +167,8 @@ def test_simulator_catches_messages_out_of_order(monkeypatch):
 
     real = sched.one_f_one_b
     swapped = [sched.Op("F", 1), sched.Op("B", 1), sched.Op("F", 0), sched.Op("B", 0)]
-    monkeypatch.setattr(sched, "one_f_one_b", lambda pp, rank, m: swapped if rank == 1 else real(pp, rank, m))
+    monkeypatch.setattr(sched, "one_f_one_b",
+                        lambda pp, rank, m, ahead=0: swapped if rank == 1 else real(pp, rank, m))
     with pytest.raises(RuntimeError, match="out of order"):
         simulate("1f1b", 2, 2)
 
@@ -172,11 +185,13 @@ def test_simulator_catches_messages_out_of_order(monkeypatch):
     (4, 4, 1, 3, "1f1b", "train.global_batch"),       # 1F1B: m >= pp
     (4, 2, 2, 3, "interleaved", "train.global_batch"),  # interleaved: m % pp == 0
     (4, 2, 1, 4, "gpipe", "pipeline schedule"),
+    (4, 2, 1, 4, "afab", "parallel.pp_warmup_ahead"),  # run-ahead is for 1f1b
 ])
 def test_bad_layouts_are_config_errors_naming_the_field(layers, pp, vpp, m, schedule, field):
     cfg = ModelConfig(vocab_size=37, n_layers=layers)
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        check_pipeline(cfg, ParallelConfig(pp=pp, vpp=vpp), m, schedule)
+        check_pipeline(cfg, ParallelConfig(pp=pp, vpp=vpp, pp_warmup_ahead=int(schedule == "afab")), m,
+                       schedule)
 
 
 def test_pipeline_step_checks_before_sending_anything():

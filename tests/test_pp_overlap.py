@@ -15,6 +15,7 @@ bit for bit (float64, torch.equal), and each direction's messages go over its ow
 from __future__ import annotations
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -115,9 +116,9 @@ def test_plan_depth_zero_posts_each_receive_at_its_op():
             assert all(p == t for p, t in pairs)
 
 
-def blocking_plan(name, pp, rank, m, vpp) -> tuple[Prefetch, ...]:
+def blocking_plan(name, pp, rank, m, vpp, ahead=0) -> tuple[Prefetch, ...]:
     """pp_overlap = false: each receive posted (and waited for) at the op that takes it."""
-    ops = schedule_ops(name, pp, rank, m, vpp)
+    ops = schedule_ops(name, pp, rank, m, vpp, ahead)
     return tuple(Prefetch((s,) if (s := received(op, pp, rank, vpp)) else ()) for op in ops)
 
 
@@ -138,11 +139,11 @@ def naive_plan(name, pp, rank, m, vpp) -> tuple[Prefetch, ...]:
     return tuple(plan)
 
 
-def run_nccl_model(name, pp, m, vpp, plan_of) -> int:
+def run_nccl_model(name, pp, m, vpp, plan_of, ahead: int = 0) -> int:
     """Execute every rank's plan as NCCL would (see the module docstring); the messages delivered.
 
     RuntimeError if it hangs; AssertionError if a receive gets another op's message."""
-    ops = [schedule_ops(name, pp, r, m, vpp) for r in range(pp)]
+    ops = [schedule_ops(name, pp, r, m, vpp, ahead) for r in range(pp)]
     actions = []
     for r in range(pp):
         plan, acts = plan_of(name, pp, r, m, vpp), []
@@ -194,6 +195,21 @@ def test_plan_runs_under_nccl_semantics(name, pp, m, vpp):
     want = sum(received(op, pp, r, vpp) is not None
                for r in range(pp) for op in schedule_ops(name, pp, r, m, vpp))
     assert run_nccl_model(name, pp, m, vpp, recv_plan) == want
+
+
+@pytest.mark.parametrize(("pp", "m", "ahead"), [(2, 8, 1), (4, 9, 1), (4, 6, 2)])
+def test_a_1f1b_run_ahead_is_planned_and_paired_like_megatrons_order(pp, m, ahead):
+    """parallel.pp_warmup_ahead: every receive posted once, before the op that takes it, and the
+    plan delivers every message under NCCL's pairing."""
+    want = 0
+    for r in range(pp):
+        ops = schedule_ops("1f1b", pp, r, m, ahead=ahead)
+        for s, pairs in posts(recv_plan("1f1b", pp, r, m, ahead=ahead), ops, pp, r, 1).items():
+            assert len(pairs) == sum(received(op, pp, r, 1) == s for op in ops)
+            assert all(p <= t for p, t in pairs), (r, s, pairs)
+            want += len(pairs)
+    plan = functools.partial(recv_plan, ahead=ahead)
+    assert run_nccl_model("1f1b", pp, m, 1, plan, ahead) == want
 
 
 def test_prefetch_without_the_channel_order_hangs_nccl_at_pp2_interleaved():
@@ -248,7 +264,7 @@ class RecordP2P:
         return False
 
 
-def overlap_vs_blocking(rank, pp, vpp, schedule, m):
+def overlap_vs_blocking(rank, pp, vpp, schedule, m, ahead):
     mesh = Mesh.build(ParallelConfig(pp=pp, vpp=vpp), p2p_groups=True)
     assert mesh.pp_bwd_group is not None and mesh.pp_bwd_group is not mesh.pp_group
     mcfg = model_config()
@@ -263,18 +279,19 @@ def overlap_vs_blocking(rank, pp, vpp, schedule, m):
         for p in stage.parameters():
             p.grad = None
         with RecordP2P() as rec:
-            result = pipeline_step(stage, mbs, 1, schedule, overlap=overlap)
+            result = pipeline_step(stage, mbs, 1, schedule, overlap=overlap, ahead=ahead)
         grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
         wrong = [(op, tag) for op, tag, group in rec.calls if group is not groups[tag]]
         runs.append((result.loss, grads, result.bubble, [(op, tag) for op, tag, _ in rec.calls], wrong))
     return runs
 
 
-def expected_calls(name, pp, rank, m, vpp, overlap) -> list[tuple[str, int]]:
+def expected_calls(name, pp, rank, m, vpp, overlap, ahead=0) -> list[tuple[str, int]]:
     """The isend / irecv calls, in order, that the plan (or the blocking baseline) makes."""
     tag = {"F": FORWARD_TAG, "B": BACKWARD_TAG}
-    ops = schedule_ops(name, pp, rank, m, vpp)
-    plan = recv_plan(name, pp, rank, m, vpp) if overlap else blocking_plan(name, pp, rank, m, vpp)
+    ops = schedule_ops(name, pp, rank, m, vpp, ahead)
+    plan = (recv_plan(name, pp, rank, m, vpp, ahead=ahead) if overlap
+            else blocking_plan(name, pp, rank, m, vpp, ahead))
     calls = []
     for op, pre in zip(ops, plan, strict=True):
         calls += [("irecv", tag[s]) for s in pre.before + pre.before_send]
@@ -297,26 +314,27 @@ def test_mesh_builds_the_backward_group_when_asked(pools):
     assert pools(2).run(_mesh_groups) == [(True, True, 3.0, 6, True, True)] * 2
 
 
-CASES = {  # name: (pp, vpp, schedule, micro-batches)
-    "pp2-1f1b": (2, 1, "1f1b", 4),
-    "pp2-afab": (2, 1, "afab", 4),
-    "pp2-vpp2-interleaved-m2": (2, 2, "interleaved", 2),
-    "pp2-vpp2-interleaved-m4": (2, 2, "interleaved", 4),
-    "pp4-1f1b": (4, 1, "1f1b", 6),
+CASES = {  # name: (pp, vpp, schedule, micro-batches, parallel.pp_warmup_ahead)
+    "pp2-1f1b": (2, 1, "1f1b", 4, 0),
+    "pp2-afab": (2, 1, "afab", 4, 0),
+    "pp2-vpp2-interleaved-m2": (2, 2, "interleaved", 2, 0),
+    "pp2-vpp2-interleaved-m4": (2, 2, "interleaved", 4, 0),
+    "pp4-1f1b": (4, 1, "1f1b", 6, 0),
+    "pp4-1f1b-ahead1": (4, 1, "1f1b", 6, 1),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_overlap_gives_the_blocking_run_bit_for_bit(pools, case):
-    pp, vpp, schedule, m = CASES[case]
-    results = pools(pp).run(overlap_vs_blocking, pp, vpp, schedule, m)
+    pp, vpp, schedule, m, ahead = CASES[case]
+    results = pools(pp).run(overlap_vs_blocking, pp, vpp, schedule, m, ahead)
     for r, ((loss_off, grads_off, bubble_off, calls_off, _), *on) in enumerate(results):
         for loss_on, grads_on, _, calls_on, _ in on:
             assert loss_on == loss_off
             assert grads_on.keys() == grads_off.keys()
             assert all(torch.equal(grads_on[k], g) for k, g in grads_off.items()), r
-            assert calls_on == expected_calls(schedule, pp, r, m, vpp, True)  # the plan, as planned
-        assert calls_off == expected_calls(schedule, pp, r, m, vpp, False)
+            assert calls_on == expected_calls(schedule, pp, r, m, vpp, True, ahead)  # the plan, as planned
+        assert calls_off == expected_calls(schedule, pp, r, m, vpp, False, ahead)
         for *_, wrong in [results[r][0], *on]:
             assert not wrong, f"rank {r}: p2p over the other direction's group: {wrong}"
         print(f"\n{case} rank {r}: {len(calls_off)} p2p, bubble off {bubble_off:.2f} on {on[0][2]:.2f}")

@@ -57,7 +57,9 @@ LAYOUTS = {
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "gpt", "adamw", "fp32", False),
     "tp2-sp-overlap": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true",
                            "parallel.tp_overlap_chunks=2"], "gpt", "adamw", "fp64", False),
-    "pp2-1f1b": (2, ["parallel.pp=2"], "llama-parallel", "lamb", "fp64", False),
+    # one warm-up forward ahead of Megatron's 1F1B (parallel.pp_warmup_ahead): the same gradients
+    "pp2-1f1b-ahead1": (2, ["parallel.pp=2", "parallel.pp_warmup_ahead=1"], "llama-parallel", "lamb", "fp64",
+                        False),
     "pp2-vpp2-interleaved": (2, ["parallel.pp=2", "parallel.vpp=2"], "gpt-sliding", "adamw", "fp32", False),
     "pp2-vpp2-overlap-off-gloo": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.pp_overlap=false",
                                       "parallel.transport=gloo"], "gpt", "adamw", "fp64", False),

@@ -223,7 +223,8 @@ class ParallelEngine:
                                    forward_context=autocast,
                                    dropout=self.dropout.for_step(step) if self.dropout else None,
                                    backward_context=self._grad_sync if self.distributed else None,
-                                   overlap=self.cfg.parallel.pp_overlap)
+                                   overlap=self.cfg.parallel.pp_overlap,
+                                   ahead=self.cfg.parallel.pp_warmup_ahead)
             self.bubble = result.bubble
             return torch.tensor(result.loss, dtype=torch.float64, device=self.device)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)

@@ -49,6 +49,7 @@ class PipelineSpec:
     dp_ag: list[float] = field(default_factory=list)  # per chunk, seconds of the parameter all-gather
     dp_rs: list[float] = field(default_factory=list)  # per chunk, seconds of the gradient reduce-scatter
     dp_overlap: bool = True
+    ahead: int = 0  # 1F1B: extra warm-up forwards on every rank but the last (parallel.pp_warmup_ahead)
 
 
 @dataclass
@@ -69,10 +70,11 @@ class Timeline:
     busy: list[float]  # seconds of F/B compute per rank
 
 
-def schedule(p: int, v: int, m: int, rank: int) -> list[Op]:
-    """Megatron-LM's op order on `rank` for 1F1B (v = 1) or interleaved 1F1B (v > 1)."""
+def schedule(p: int, v: int, m: int, rank: int, ahead: int = 0) -> list[Op]:
+    """Megatron-LM's op order on `rank` for 1F1B (v = 1) or interleaved 1F1B (v > 1); `ahead` more
+    1F1B warm-up forwards on every rank but the last (parallel.pp_warmup_ahead)."""
     if v == 1:
-        warm = min(p - rank - 1, m)
+        warm = min(p - rank - 1 + (ahead if rank < p - 1 else 0), m)
         ops = [Op("F", 0, i) for i in range(warm)]
         for i in range(m - warm):
             ops += [Op("F", 0, warm + i), Op("B", 0, i)]
@@ -113,7 +115,7 @@ def simulate(spec: PipelineSpec, keep_events: bool = False) -> Timeline:
     p2p = spec.p2p or [0.0] * p
     ag = spec.dp_ag or [0.0] * v
     rs = spec.dp_rs or [0.0] * v
-    queues = [schedule(p, v, m, r) for r in range(p)]
+    queues = [schedule(p, v, m, r, spec.ahead if v == 1 else 0) for r in range(p)]
     ptr = [0] * p
     free = [0.0] * p
     busy = [0.0] * p

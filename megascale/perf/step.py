@@ -35,6 +35,7 @@ class Settings:
     tp_overlap: bool = True
     pp_overlap: bool = True
     dp_overlap: bool = True
+    pp_warmup_ahead: int = 0  # 1F1B: extra warm-up forwards on all ranks but the last (memory for latency)
 
 
 MEGATRON = Settings("megatron", parallel_block=False, tp_overlap=False, pp_overlap=False, dp_overlap=False)
@@ -179,7 +180,8 @@ def _parts(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m
     ag[0] += collectives.all_gather(emb * wb, lay.dp, dp_link)
     rs[0] += collectives.reduce_scatter(emb * gb, lay.dp, dp_link)
     spec = pipeline.PipelineSpec(
-        p, v, m, fwd, bwd, p2p, async_p2p=st.pp_overlap, dp_ag=ag, dp_rs=rs, dp_overlap=st.dp_overlap
+        p, v, m, fwd, bwd, p2p, async_p2p=st.pp_overlap, dp_ag=ag, dp_rs=rs, dp_overlap=st.dp_overlap,
+        ahead=st.pp_warmup_ahead,
     )
 
     n_rank = max(memory.stage_params(cfg, lay.tp, p, s) for s in {0, p - 1})
@@ -220,7 +222,8 @@ def predict(
     tokens = global_batch * cfg.seq_len
     mfu = model_flops_per_token(cfg) * tokens / (step * lay.world * preset.peak_flops)
 
-    inflight = pipeline.max_inflight(pipeline.schedule(lay.pp, lay.vpp, m, 0))
+    ahead = settings.pp_warmup_ahead if lay.vpp == 1 else 0
+    inflight = pipeline.max_inflight(pipeline.schedule(lay.pp, lay.vpp, m, 0, ahead))
     mem = memory.estimate(
         cfg, lay.tp, lay.pp, lay.dp, lay.micro_batch, inflight, lay.vpp, policy,
         act_bytes=_bytes_per_element(preset.dtype), sp=lay.sequence_parallel and lay.tp > 1,

@@ -19,6 +19,13 @@ it free of deadlock before a single message is sent, and leaves the executor
 
 `recv_plan` turns a rank's op list into when each receive is posted (parallel.pp_overlap):
 ahead of the op that takes it, in an order both ends of every channel share.
+
+`ahead` (parallel.pp_warmup_ahead) gives every 1F1B rank but the last that many more warm-up forwards.
+In the steady phase of 1F1B a rank's next backward waits for a round trip: its activation out, the
+later stages' forward and backward, the gradient back; with one forward more in hand the last stage
+finds its next input already there, so the links' latency leaves the steady phase (it stays in the
+warm-up and cool-down). The price is that many more micro-batches of activations on those ranks; the
+order of the backwards, and so the gradients, is unchanged.
 """
 
 from __future__ import annotations
@@ -47,9 +54,14 @@ def afab(pp: int, rank: int, m: int, vpp: int = 1) -> list[Op]:
     return fwd + bwd
 
 
-def one_f_one_b(pp: int, rank: int, m: int) -> list[Op]:
+def _ahead(pp: int, rank: int, ahead: int) -> int:
+    """The extra warm-up forwards of `rank`: none on the last, which has nobody to run ahead of."""
+    return ahead if rank < pp - 1 else 0
+
+
+def one_f_one_b(pp: int, rank: int, m: int, ahead: int = 0) -> list[Op]:
     """Megatron's forward_backward_pipelining_without_interleaving, as an op list."""
-    warmup = min(pp - rank - 1, m)
+    warmup = min(pp - rank - 1 + _ahead(pp, rank, ahead), m)
     ops = [Op("F", mb) for mb in range(warmup)]
     for i in range(m - warmup):
         ops += [Op("F", warmup + i), Op("B", i)]
@@ -90,12 +102,14 @@ def interleaved(pp: int, rank: int, m: int, vpp: int) -> list[Op]:
     return ops + [interleaved_op(k, pp, vpp, False) for k in range(total - warmup, total)]
 
 
-def schedule_ops(name: str, pp: int, rank: int, m: int, vpp: int = 1) -> list[Op]:
-    """The op list of one rank; the arguments are checked by `pipeline.stage.check_pipeline`."""
+def schedule_ops(name: str, pp: int, rank: int, m: int, vpp: int = 1, ahead: int = 0) -> list[Op]:
+    """The op list of one rank; the arguments are checked by `pipeline.stage.check_pipeline`.
+    `ahead`: extra warm-up forwards of 1f1b (module doc). afab runs every forward first anyway, and the
+    interleaved warm-up already runs pp - rank - 1 forwards ahead of the minimum (Megatron's)."""
     if name == "afab":
         return afab(pp, rank, m, vpp)
     if name == "1f1b":
-        return one_f_one_b(pp, rank, m)
+        return one_f_one_b(pp, rank, m, ahead)
     if name == "interleaved":
         return interleaved(pp, rank, m, vpp)
     raise ValueError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
@@ -106,7 +120,8 @@ def theoretical_bubble(pp: int, m: int, vpp: int = 1) -> float:
     return (pp - 1) / (vpp * m + pp - 1)
 
 
-def simulate(name: str, pp: int, m: int, vpp: int = 1, f: float = 1.0, b: float = 2.0) -> float:
+def simulate(name: str, pp: int, m: int, vpp: int = 1, f: float = 1.0, b: float = 2.0, ahead: int = 0
+             ) -> float:
     """Run the schedule with unit costs (F takes f, B takes b, messages are free); the idle fraction.
 
     Every rank does the same work (m * vpp forwards and backwards of equal chunks), so the
@@ -117,17 +132,17 @@ def simulate(name: str, pp: int, m: int, vpp: int = 1, f: float = 1.0, b: float 
     messages would be received in another order than they were sent: the executor matches
     messages per (sender, receiver, direction) in order, as NCCL and gloo do.
     """
-    done = timeline(name, pp, m, vpp, f, b)
-    _check_message_order([schedule_ops(name, pp, r, m, vpp) for r in range(pp)], pp, vpp)
+    done = timeline(name, pp, m, vpp, f, b, ahead)
+    _check_message_order([schedule_ops(name, pp, r, m, vpp, ahead) for r in range(pp)], pp, vpp)
     return 1.0 - m * vpp * (f + b) / max(done.values())
 
 
-def timeline(name: str, pp: int, m: int, vpp: int = 1, f: float = 1.0, b: float = 2.0
+def timeline(name: str, pp: int, m: int, vpp: int = 1, f: float = 1.0, b: float = 2.0, ahead: int = 0
              ) -> dict[tuple[str, int, int], float]:
     """When each (kind, microbatch, virtual stage) finishes under unit costs, messages free.
 
     Raises RuntimeError on a deadlock (no rank can run its next op)."""
-    ops = [schedule_ops(name, pp, r, m, vpp) for r in range(pp)]
+    ops = [schedule_ops(name, pp, r, m, vpp, ahead) for r in range(pp)]
     last = pp * vpp - 1
     done: dict[tuple[str, int, int], float] = {}  # (kind, microbatch, virtual stage) -> finish time
     clock, pos = [0.0] * pp, [0] * pp
@@ -207,7 +222,8 @@ class Prefetch:
 
 
 @functools.lru_cache(maxsize=64)
-def recv_plan(name: str, pp: int, rank: int, m: int, vpp: int = 1, depth: int = 1) -> tuple[Prefetch, ...]:
+def recv_plan(name: str, pp: int, rank: int, m: int, vpp: int = 1, depth: int = 1, ahead: int = 0
+              ) -> tuple[Prefetch, ...]:
     """Per op of `rank`, the receives to post: each stream keeps `depth` posted beyond the one being
     consumed (MegaScale's prefetch: the next message's receive goes out as soon as the previous one
     is taken, so it lands during the compute in between), in an order both ends of every channel share.
@@ -220,8 +236,8 @@ def recv_plan(name: str, pp: int, rank: int, m: int, vpp: int = 1, depth: int = 
     waits for the send before it, a send first posts the receives before it. Everywhere else a
     channel has one direction and the order is just the receives'.
     """
-    ops = schedule_ops(name, pp, rank, m, vpp)
-    order = _channel_order(name, pp, rank, m, vpp, ops)
+    ops = schedule_ops(name, pp, rank, m, vpp, ahead)
+    order = _channel_order(name, pp, rank, m, vpp, ops, ahead)
     posted, taken = dict.fromkeys("FB", 0), dict.fromkeys("FB", 0)
     total = {s: sum(received(op, pp, rank, vpp) == s for op in ops) for s in "FB"}
 
@@ -254,10 +270,10 @@ def recv_plan(name: str, pp: int, rank: int, m: int, vpp: int = 1, depth: int = 
     return tuple(plan)
 
 
-def _channel_order(name: str, pp: int, rank: int, m: int, vpp: int, ops: list[Op]
+def _channel_order(name: str, pp: int, rank: int, m: int, vpp: int, ops: list[Op], ahead: int = 0
                    ) -> dict[tuple[str, int], collections.deque[str]]:
     """This rank's sends ("S") and receives ("R") on each channel (stream, peer), in the channel's order."""
-    done = timeline(name, pp, m, vpp)
+    done = timeline(name, pp, m, vpp, ahead=ahead)
     step = {"F": -1, "B": 1}  # the sender's virtual stage, from the receiver's
     events: dict[tuple[str, int], list[tuple[float, int, str]]] = collections.defaultdict(list)
     for op in ops:

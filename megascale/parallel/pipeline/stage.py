@@ -78,6 +78,10 @@ def check_pipeline(model: ModelConfig, parallel: ParallelConfig, microbatches: i
         raise ConfigError(f"parallel.vpp: {vpp} chunks per rank need the interleaved schedule, not 1f1b")
     if vpp == 1 and schedule == "interleaved":
         raise ConfigError("parallel.vpp: the interleaved schedule needs parallel.vpp > 1")
+    if parallel.pp_warmup_ahead and pp > 1 and schedule != "1f1b":
+        raise ConfigError(f"parallel.pp_warmup_ahead: {parallel.pp_warmup_ahead} is for the 1f1b schedule, "
+                          f"not {schedule} (afab runs every forward first; the interleaved warm-up already "
+                          "runs ahead, as Megatron's does)")
     if model.n_layers < pp * vpp:
         raise ConfigError(f"model.n_layers: {model.n_layers} layers do not fill parallel.pp * parallel.vpp = "
                           f"{pp * vpp} virtual stages (each needs at least one layer)")

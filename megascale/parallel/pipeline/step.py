@@ -75,6 +75,7 @@ def pipeline_step(
     dropout: Callable[[int], AbstractContextManager] | None = None,
     backward_context: Callable[[int, int], AbstractContextManager] | None = None,
     overlap: bool = True,
+    ahead: int = 0,
 ) -> StepResult:
     """Forwards and backwards of one step on this rank; gradients accumulate in the stage's parameters.
 
@@ -85,17 +86,19 @@ def pipeline_step(
     backward_context(microbatch, chunk) is entered around each backward: the distributed optimizer's
     gradient sync, which reduces a chunk's buckets during that chunk's last micro-batch's backward.
     overlap (parallel.pp_overlap): receives posted ahead, sends completed lazily; False: each
-    receive blocks right before its op (the baseline).
+    receive blocks right before its op (the baseline). ahead (parallel.pp_warmup_ahead): extra 1F1B
+    warm-up forwards on every rank but the last (schedule.py).
     """
     mesh, m = stage.mesh, len(microbatches)
     pp, vpp = mesh.pp, stage.vpp
-    layout = ParallelConfig(tp=mesh.tp, pp=pp, dp=mesh.dp, vpp=vpp, sequence_parallel=sequence_parallel)
+    layout = ParallelConfig(tp=mesh.tp, pp=pp, dp=mesh.dp, vpp=vpp, sequence_parallel=sequence_parallel,
+                            pp_warmup_ahead=ahead)
     schedule = schedule or default_schedule(layout)
     check_pipeline(stage.cfg, layout, m, schedule)
     param = next(stage.parameters())
     comm = P2P(mesh, activation_shape(stage, micro_batch, sequence_parallel), param.dtype, param.device)
-    ops = schedule_ops(schedule, pp, mesh.pp_rank, m, vpp)
-    plan = recv_plan(schedule, pp, mesh.pp_rank, m, vpp) if overlap and pp > 1 else None
+    ops = schedule_ops(schedule, pp, mesh.pp_rank, m, vpp, ahead)
+    plan = recv_plan(schedule, pp, mesh.pp_rank, m, vpp, ahead=ahead) if overlap and pp > 1 else None
     streams = _Streams(comm, mesh, plan)
     last_vs = pp * vpp - 1
     inputs: dict[tuple[int, int], Tensor] = {}
