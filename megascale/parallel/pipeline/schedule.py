@@ -21,11 +21,13 @@ it free of deadlock before a single message is sent, and leaves the executor
 ahead of the op that takes it, in an order both ends of every channel share.
 
 `ahead` (parallel.pp_warmup_ahead) gives every 1F1B rank but the last that many more warm-up forwards.
-In the steady phase of 1F1B a rank's next backward waits for a round trip: its activation out, the
-later stages' forward and backward, the gradient back; with one forward more in hand the last stage
-finds its next input already there, so the links' latency leaves the steady phase (it stays in the
-warm-up and cool-down). The price is that many more micro-batches of activations on those ranks; the
-order of the backwards, and so the gradients, is unchanged.
+In 1F1B's steady phase a rank runs its next forward only after the backward before it, which needs the
+gradient of an earlier micro-batch from downstream: so the activation the next stage waits for leaves
+one round trip late (activation out, the forward and backward downstream, the gradient back), and on a
+slow link the downstream ranks wait for it in every steady step. One forward more in hand and that
+activation has left already: the links' latency leaves the steady phase (it stays in the warm-up and
+cool-down). The price is that many more micro-batches of activations on those ranks; the order of the
+backwards, and so the gradients, is unchanged.
 """
 
 from __future__ import annotations
