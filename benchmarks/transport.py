@@ -7,6 +7,9 @@ transport, medians over `--repeats` bursts of `--burst` exchanges back to back:
 
   swap        each rank posts a receive of S bytes and sends S (direct.py's order), then waits
   all-gather  direct.start_all_gather of S bytes per rank, as DP and TP/SP run it
+  all-reduce  a sum of S bytes: gloo's own all_reduce, or on sockets direct.all_reduce (a direct
+              reduce-scatter and all-gather over the transport), as TP without SP, the tp gradient
+              syncs, the loss and the grad norm run it
   cpu         the process's CPU-seconds per all-gather (every thread: gloo's or ours)
   stolen      a block of GEMMs timed alone and with `--burst` all-gathers in flight behind it
               (issued before, waited after): how much longer the compute took, per all-gather
@@ -72,6 +75,12 @@ def measure(world: int, a: argparse.Namespace) -> dict:
         def gather(g, full=full, own=own):
             direct.start_all_gather(full, own, g).wait()
 
+        def reduce(g, name, buf=send):
+            if name == "sockets":
+                direct.all_reduce(buf, g)
+            else:
+                dist.all_reduce(buf, group=g)
+
         def beside(g, issue: bool, own=own, inboxes=inboxes) -> float:
             dist.barrier()
             t0 = time.perf_counter()
@@ -85,6 +94,7 @@ def measure(world: int, a: argparse.Namespace) -> dict:
         got: dict[str, dict[str, list[float]]] = {t: {} for t in TRANSPORTS}
         for g in groups.values():  # connections made, buffers touched
             swap(g), gather(g), beside(g, True)
+            reduce(g, "sockets" if g is groups["sockets"] else "gloo")
         for r in range(a.repeats):
             for name in TRANSPORTS if r % 2 == 0 else TRANSPORTS[::-1]:
                 g, rec = groups[name], got[name]
@@ -92,6 +102,8 @@ def measure(world: int, a: argparse.Namespace) -> dict:
                 wall, cpu = _per_call(a.burst, lambda g=g: gather(g))
                 rec.setdefault("all-gather", []).append(wall)
                 rec.setdefault("cpu", []).append(cpu)
+                summed, _ = _per_call(a.burst, lambda g=g, n=name: reduce(g, n))
+                rec.setdefault("all-reduce", []).append(summed)
                 alone, with_comm = beside(g, False), beside(g, True)
                 rec.setdefault("stolen", []).append((with_comm - alone) / a.burst)
         for name in TRANSPORTS:
@@ -112,15 +124,17 @@ def main() -> int:
 
     got = run_on_gloo(2, measure, a)[0]
     print(f"2 ranks on loopback, one compute thread each; medians of {a.repeats} bursts of {a.burst}")
-    print(f"{'KiB':>6} {'transport':9} {'swap us':>9} {'all-gather us':>14} {'cpu us':>8} {'stolen us':>10}")
+    print(f"{'KiB':>6} {'transport':9} {'swap us':>9} {'all-gather us':>14} {'cpu us':>8} {'stolen us':>10} "
+          f"{'all-reduce us':>14}")
     for kib in a.kib:
         for name in TRANSPORTS:
             r = got[(kib, name)]
             print(f"{kib:6d} {name:9} {r['swap'] * 1e6:9.0f} {r['all-gather'] * 1e6:14.0f} "
-                  f"{r['cpu'] * 1e6:8.0f} {r['stolen'] * 1e6:10.0f}")
+                  f"{r['cpu'] * 1e6:8.0f} {r['stolen'] * 1e6:10.0f} {r['all-reduce'] * 1e6:14.0f}")
         g, s = got[(kib, "gloo")], got[(kib, "sockets")]
         print(f"{kib:6d} {'ratio':9} {g['swap'] / s['swap']:9.2f} {g['all-gather'] / s['all-gather']:14.2f} "
-              f"{g['cpu'] / s['cpu']:8.2f} {g['stolen'] / max(s['stolen'], 1e-9):10.2f}  (gloo / sockets)")
+              f"{g['cpu'] / s['cpu']:8.2f} {g['stolen'] / max(s['stolen'], 1e-9):10.2f} "
+              f"{g['all-reduce'] / s['all-reduce']:14.2f}  (gloo / sockets)")
     return 0
 
 

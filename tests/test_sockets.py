@@ -189,3 +189,47 @@ def test_the_mesh_routes_its_groups_by_parallel_transport(pool):
     for routed, (ours, theirs) in pool.run(_mesh_routes):
         assert routed == (True, False)
         assert ours == theirs == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+
+
+def _all_reduce(rank: int):
+    from megascale.config import ParallelConfig
+    from megascale.distributed import direct
+    from megascale.parallel.mesh import Mesh
+
+    ours = Mesh.build(ParallelConfig(dp=3))
+    theirs = Mesh.build(ParallelConfig(dp=3, transport="gloo"))
+    calls = []
+    real = direct.all_reduce
+    direct.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        got = []
+        for mesh in (ours, theirs):
+            gen = torch.Generator().manual_seed(rank)
+            # 7 elements: not a multiple of 3 (padded); a transposed view (not contiguous); int64
+            tensors = [torch.randn(7, dtype=torch.float64, generator=gen),
+                       torch.randn(4, 6, dtype=torch.float64, generator=gen).t(),
+                       torch.arange(5, dtype=torch.int64) * (rank + 1)]
+            for t in tensors:
+                mesh.all_reduce(t, mesh.dp_group)
+            got.append(tensors)
+    finally:
+        direct.all_reduce = real
+    return len(calls), got
+
+
+def test_an_all_reduce_over_the_transport_sums_as_gloo_does_and_alike_on_every_rank(pool):
+    results = pool.run(_all_reduce)
+    want = []
+    for rank in range(3):
+        gen = torch.Generator().manual_seed(rank)
+        want.append([torch.randn(7, dtype=torch.float64, generator=gen),
+                     torch.randn(4, 6, dtype=torch.float64, generator=gen).t()])
+    for calls, (ours, theirs) in results:
+        assert calls == 3  # the routed mesh's three went over the transport, the gloo mesh's not
+        for i in range(2):
+            assert ours[i].shape == want[0][i].shape
+            torch.testing.assert_close(ours[i], want[0][i] + want[1][i] + want[2][i], rtol=1e-15, atol=1e-15)
+            torch.testing.assert_close(ours[i], theirs[i], rtol=1e-15, atol=1e-15)
+        assert ours[2].tolist() == [0, 6, 12, 18, 24]
+    for i in range(3):  # every rank has the same bits
+        assert all(torch.equal(r[1][0][i], results[0][1][0][i]) for r in results)

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from megascale.config import ParallelConfig
-from megascale.distributed import p2p
+from megascale.distributed import direct, p2p
 from megascale.distributed.groups import create_groups
 from megascale.errors import UserError
 
@@ -124,6 +125,14 @@ class Mesh:
         if gloo and cfg.transport == "sockets":  # p2p messages over our transport (distributed/p2p.py)
             p2p.use_sockets(mesh.groups())
         return mesh
+
+    def all_reduce(self, t: Tensor, group: dist.ProcessGroup | None) -> None:
+        """Sum t over one of this mesh's groups, in place: by direct messages where our transport
+        carries the group (distributed/direct.py all_reduce), else the backend's all-reduce."""
+        if self.direct_collectives and p2p.routed(group):
+            direct.all_reduce(t, group)
+        else:
+            dist.all_reduce(t, group=group)
 
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """This rank's groups, in creation order (None where there is none)."""

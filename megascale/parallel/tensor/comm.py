@@ -31,7 +31,7 @@ from megascale.parallel.mesh import Mesh
 def _all_reduce(x: Tensor, mesh: Mesh) -> Tensor:
     x = x.clone(memory_format=torch.contiguous_format)
     with timers.comm("all_reduce", "tp", "tp", nbytes=x.numel() * x.element_size()):
-        dist.all_reduce(x, group=mesh.tp_group)
+        mesh.all_reduce(x, mesh.tp_group)
     return x
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -46,7 +45,7 @@ def sync_partial_grads(model: nn.Module, mesh: Mesh) -> None:
     grads = [p.grad for p in params]
     flat = _flatten_dense_tensors(grads)
     with timers.comm("all_reduce", "tp", "tp", nbytes=flat.numel() * flat.element_size()):
-        dist.all_reduce(flat, group=mesh.tp_group)
+        mesh.all_reduce(flat, mesh.tp_group)
     for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(summed)
 
@@ -61,7 +60,7 @@ def lamb_norm_reducer(optimizer: torch.optim.Optimizer, mesh: Mesh) -> Callable[
         split = torch.tensor([is_split(p) for p in adapted], device=sq.device)
         pieces = sq * split
         with timers.comm("all_reduce", "tp", "tp"):
-            dist.all_reduce(pieces, group=mesh.tp_group)
+            mesh.all_reduce(pieces, mesh.tp_group)
         return torch.where(split, pieces, sq)
 
     return reduce
@@ -76,7 +75,7 @@ def grad_norm_reducer(params: Iterable[Tensor], mesh: Mesh) -> Callable[[Tensor]
         total = (sq * torch.tensor(counted, device=sq.device)).sum()
         if mesh.mp_group is not None:
             with timers.comm("all_reduce", "tp", "mp"):  # the global grad norm
-                dist.all_reduce(total, group=mesh.mp_group)
+                mesh.all_reduce(total, mesh.mp_group)
         return total
 
     return reduce

@@ -50,7 +50,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums = torch.stack((probs.sum(dim=-1), target_logit))
         if mesh.tp > 1:
             with timers.comm("all_reduce", "tp", "tp"):
-                dist.all_reduce(sums, group=mesh.tp_group)
+                mesh.all_reduce(sums, mesh.tp_group)
         sum_exp, target_logit = sums
         probs /= sum_exp.unsqueeze(-1)
 
