@@ -70,6 +70,20 @@ def test_plan_command_json_and_table(capsys):
     assert "pipeline bubble" in out and "tp8 pp8 v6 dp2 mb1" in out
 
 
+def test_plan_with_the_config_settings_runs_ahead_as_the_config_says(capsys):
+    rows = []
+    for ahead in (0, 1):
+        argv = ["--config", "configs/gpt_175b.toml", "--cluster", "a100", "--gpus", "128", "--batch", "96",
+                "--settings", "config", "--layout", "8,8,1,1", "--json", "parallel.vpp=1",
+                f"parallel.pp_warmup_ahead={ahead}"]
+        assert cli.main(argv) == 0
+        rows.append(json.loads(capsys.readouterr().out)["settings"]["config"][0])
+    assert [r["settings"]["pp_warmup_ahead"] for r in rows] == [0, 1]
+    # rank 0 holds one more micro-batch of activations, and the steady phase no longer waits on p2p
+    assert rows[1]["memory"]["activations"] > rows[0]["memory"]["activations"]
+    assert rows[1]["step_time"] <= rows[0]["step_time"]
+
+
 def test_plan_command_user_errors(capsys):
     assert cli.main(["--config", "configs/gpt_175b.toml", "--cluster", "nope"]) == 2
     assert cli.main(["--config", "configs/gpt_175b.toml", "--gpus", "512", "--layout", "8,x"]) == 2

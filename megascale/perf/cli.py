@@ -11,6 +11,7 @@ megascale plan --calibrate --cluster cpu        # measure this machine's GEMM cu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -37,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, help="global batch in sequences (default: train.global_batch)")
     p.add_argument("--settings", default="megascale", choices=[*SETTINGS, "both"],
                    help="megatron: sequential block, no overlap; megascale: parallel block, all overlaps; "
-                        "config: the model's block with all overlaps")  # fmt: skip
+                        "config: the model's block with all overlaps, and its parallel.pp_warmup_ahead"
+                   )  # fmt: skip
     p.add_argument("--top", type=int, default=10, help="rows to show")
     p.add_argument("--layout", help="tp,pp,vpp,micro_batch[,rc]: evaluate this layout only")
     p.add_argument("--policy", choices=["fp32", "mixed", "megatron"], help="bytes per parameter (memory.py)")
@@ -90,6 +92,8 @@ def handler(args: argparse.Namespace) -> int:
     evaluated = 0
     for name in names:
         st = SETTINGS[name]
+        if name == "config":  # the run as configured: its 1F1B run-ahead too (memory for latency)
+            st = dataclasses.replace(st, pp_warmup_ahead=cfg.parallel.pp_warmup_ahead)
         if args.layout:
             lay = _parse_layout(args.layout, gpus)
             preds = [predict(cfg.model, lay, preset, st, batch, args.policy, explain=True)]
