@@ -85,14 +85,14 @@ def all_reduce(t: Tensor, group, tag: int = 0) -> None:
     n = dist.get_world_size(group)
     if n == 1:
         return
-    flat = t.view(-1) if t.is_contiguous() else t.reshape(-1)
+    flat = t.reshape(-1)  # a view of t where t is contiguous, a copy otherwise
     pad = -flat.numel() % n
-    buf = flat if pad == 0 and t.is_contiguous() else torch.cat([flat, flat.new_zeros(pad)])
+    buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
     chunk = buf.numel() // n
     own = buf.narrow(0, dist.get_rank(group) * chunk, chunk)
     start_reduce_scatter(own, buf, group, tag).wait()
     start_all_gather(buf, own, group, tag).wait()
-    if buf is not flat:
+    if pad or not t.is_contiguous():  # the sums are in a copy: back into t
         t.copy_(buf.narrow(0, 0, t.numel()).view(t.shape))
 
 
