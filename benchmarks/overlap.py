@@ -24,6 +24,8 @@ differences of such medians, so a single figure says little without it.
 The pp overlap is parallel.pp_overlap with one 1F1B warm-up forward ahead (parallel.pp_warmup_ahead=1,
 `--pp-ahead`): posting receives early cannot shorten the steady phase's round trip (an activation out,
 the next stage's forward and backward, its gradient back), running a forward ahead can.
+Where every rank can have a core of its own (the 2-rank dimensions on 2 cores) each is bound to one, as a
+real host has its own (`--no-pin`: left to the scheduler, as the 4- and 8-rank runs always are).
 `--tail-buckets 1` and `--gloo-collectives` turn off the dp refinements (parallel.dp_tail_buckets,
 parallel.direct_collectives) to see what each buys. Goals of
 issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
@@ -339,6 +341,19 @@ def machine_busy_s() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def pin_to_core(a: argparse.Namespace, world: int) -> None:
+    """Bind this rank (all its threads) to core `rank` when every rank can have a core of its own, as a
+    real host has its own, unless --no-pin. With more ranks than cores the scheduler is left to balance
+    them: a fixed share suits a pipeline's shifting load worse.
+
+    Measured on 2 cores, each pair of runs in one sitting: --dims tp (2 ranks) bound, every step ~10%
+    shorter and H's 90% interval 16 points wide instead of 67; --dims all (4 ranks) bound two to a core
+    (each core one rank of each stage and replica), every step 11-16% longer than unbound."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if a.pin and 0 < world <= len(cores):
+        os.sched_setaffinity(0, {cores[int(os.environ.get("RANK", "0"))]})
+
+
 def measured_parts(runs: list[tuple[str, list[int]]]) -> dict[str, float]:
     """Where the slowest rank's median step went, over the given (run directory, steps) of a row, from
     its timers, in the planner's terms (the slowest rank: the largest median wall time over them)."""
@@ -381,6 +396,7 @@ def ablation_worker(a: argparse.Namespace) -> None:
     from megascale.distributed.init import shutdown_distributed
     from megascale.train import Trainer
 
+    pin_to_core(a, 8)
     torch.set_num_threads(1)
     wrapper = Collectives(set())
 
@@ -447,6 +463,7 @@ def worker(a: argparse.Namespace) -> None:
     it starts with what the previous variant left in flight on the wire, and with the parameter
     gathers its own last turn launched long done. Its steps after that are the variant's own.
     """
+    pin_to_core(a, DIMS[a.worker][1])
     import torch
 
     from megascale.config import load_config
@@ -610,6 +627,8 @@ def main() -> int:
     p.add_argument("--raw", action="store_true", help="also print each variant's breakdown (seconds)")
     p.add_argument("--ablation", action="store_true",
                    help="also MegaScale's ablation table on dp2 x pp2 x tp2 (8 hosts)")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave the ranks to the scheduler, even where each could have a core of its own")
     p.add_argument("--no-calibrate", action="store_true",
                    help="the planner column with the CPU preset as stored (placeholders if never calibrated)")
     p.add_argument("--worker", choices=[*DIMS, "ablation"], help=argparse.SUPPRESS)
@@ -627,6 +646,7 @@ def main() -> int:
                  ("steps", "rounds", "ablation_rounds", "warmup", "layers", "d_model", "seq", "batch",
                   "micro", "dp_micro", "bucket", "tail_buckets", "tp_chunks", "transport", "pp_ahead")]
     a.forward += ["--gloo-collectives"] if a.gloo_collectives else []
+    a.forward += [] if a.pin else ["--no-pin"]
     a.forward += ["--ablation-rows", *map(str, a.ablation_rows)]
 
     from megascale.config import load_config

@@ -67,3 +67,25 @@ def test_hidden_fraction_and_its_interval_over_rounds():
     low, high = ov.hidden_interval(noisy)
     assert low == pytest.approx(0.5) and high == pytest.approx(0.875)
     assert all(x != x for x in ov.hidden_interval({k: v[:1] for k, v in steady.items()}))  # one round
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="no CPU affinity here")
+def test_each_rank_is_bound_to_its_own_core_unless_told_not_to():
+    """Rank r runs on core r (a simulated host's own core) where every rank can have one; with more
+    ranks than cores, or --no-pin, the scheduler is left to place them."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    code = ("import argparse, os, sys; sys.path.insert(0, 'benchmarks'); import overlap; "
+            "overlap.pin_to_core(argparse.Namespace(pin=sys.argv[1] == 'pin'), int(sys.argv[2])); "
+            "print(sorted(os.sched_getaffinity(0)))")
+
+    def affinity(rank: int, pin: str, world: int) -> str:
+        env = {**os.environ, "RANK": str(rank)}
+        return subprocess.run([sys.executable, "-c", code, pin, str(world)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+
+    for rank in range(len(cores)):
+        assert affinity(rank, "pin", len(cores)) == str([cores[rank]])
+    assert affinity(0, "free", len(cores)) == str(cores)
+    assert affinity(0, "pin", len(cores) + 1) == str(cores)
