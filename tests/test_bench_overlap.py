@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/overlap.py: every dimension's four step times on a simulated cluster, and
 the ablation table."""
 
+import os
 import re
 import subprocess
 import sys
@@ -69,12 +70,10 @@ def test_hidden_fraction_and_its_interval_over_rounds():
     assert all(x != x for x in ov.hidden_interval({k: v[:1] for k, v in steady.items()}))  # one round
 
 
-@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="no CPU affinity here")
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_each_rank_is_bound_to_its_own_core_unless_told_not_to():
     """Rank r runs on core r (a simulated host's own core) where every rank can have one; with more
     ranks than cores, or --no-pin, the scheduler is left to place them."""
-    import os
-
     cores = sorted(os.sched_getaffinity(0))
     code = ("import argparse, os, sys; sys.path.insert(0, 'benchmarks'); import overlap; "
             "overlap.pin_to_core(argparse.Namespace(pin=sys.argv[1] == 'pin'), int(sys.argv[2])); "
