@@ -130,7 +130,8 @@ class _Done:
 class Collectives:
     """Wraps torch.distributed's collectives, and the socket transport's sends and receives
     (distributed/p2p.py, parallel.transport = "sockets"): on the chosen groups, record each call's
-    shapes, or replace it with a no-op (the receive's buffer zeroed, so no garbage reaches the loss)."""
+    shapes, or replace it with a no-op (a receive's buffer zeroed, a gather's or reduce-scatter's output
+    filled from this rank's own data, a routed all-reduce left as it is: no garbage reaches the loss)."""
 
     NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
              "reduce_scatter_tensor", "broadcast", "isend", "irecv")
@@ -138,7 +139,7 @@ class Collectives:
     def __init__(self, groups: set):
         import torch.distributed as dist
 
-        from megascale.distributed import p2p
+        from megascale.distributed import direct, p2p
 
         self.dist, self.p2p, self.groups, self.mode, self.calls = dist, p2p, groups, "pass", []
         self.real = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
@@ -148,6 +149,17 @@ class Collectives:
         self.real_p2p = {n: getattr(p2p, n) for n in ("isend", "irecv")}
         for name, fn in self.real_p2p.items():
             setattr(p2p, name, self._wrap(name, fn, routed_only=True))
+        # A routed all-reduce (Mesh.all_reduce: the vocab-parallel loss's sums, SP's partial gradients)
+        # is a no-op as a whole: made of no-op messages, its all-gather would zero the peers' chunks of
+        # the sum, and half the tokens' softmax denominators would be 0, their loss and every weight
+        # NaN after one step (measured: the no-comm variant then computed on NaN).
+        self.real_all_reduce = direct.all_reduce
+
+        def all_reduce(t, group, *args, **kw):
+            if self.mode == "nocomm" and group in self.groups:
+                return None
+            return self.real_all_reduce(t, group, *args, **kw)
+        direct.all_reduce = all_reduce
 
     def _wrap(self, name, fn, routed_only: bool = False):
         def call(*args, **kw):
@@ -162,6 +174,8 @@ class Collectives:
                 return fn(*args, **kw)
             if name == "irecv":
                 tensors[0].zero_()
+            elif name.startswith(("all_gather", "reduce_scatter")):  # the output as one rank would see it
+                _stand_in(name, *tensors[:2])
             return _Done() if kw.get("async_op") or name in ("isend", "irecv") else None
         return call
 
@@ -182,6 +196,17 @@ class Collectives:
         for w in pending:
             w.wait()
         return time.perf_counter() - t0
+
+
+def _stand_in(name: str, out, inp) -> None:
+    """Fill a no-op all-gather's or reduce-scatter's output (made with torch.empty) with this rank's
+    own data: every peer's piece a copy of ours, our piece of the sum our own addend. Left unwritten,
+    its garbage reaches the weights (NaN, denormals) and the no-comm step computes on it."""
+    flat_out, flat_in = out.reshape(-1), inp.reshape(-1)
+    if name.startswith("all_gather"):
+        flat_out.view(-1, flat_in.numel()).copy_(flat_in.expand(flat_out.numel() // flat_in.numel(), -1))
+    else:
+        flat_out.copy_(flat_in[: flat_out.numel()])
 
 
 OWNER = {"dp": "dp", "tp": "tp", "pp": "pp", "emb": "pp"}  # a mesh group's prefix -> its dimension
