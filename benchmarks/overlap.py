@@ -261,12 +261,13 @@ def ablation_rows(a: argparse.Namespace, base: str) -> list[tuple[str, list[str]
     return rows
 
 
-def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = None) -> list:
+def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = None,
+                    sharing: dict | None = None) -> list:
     """The planner's step time for each ablation row, on this machine's calibrated CPU preset made into
-    the simulated cluster: the ranks sharing this machine's cores, every link the tbf rate with veth's
-    latency and, given `measured` (measure_link), the host CPU its messages cost as fitted on the
-    cluster (without it a message costs no CPU, as on a GPU cluster). One perf.step.Prediction per row,
-    with its breakdown."""
+    the simulated cluster: the ranks sharing this machine's cores (at the speed `sharing`, from
+    measure_sharing, says a shared core keeps), every link the tbf rate with veth's latency and, given
+    `measured` (measure_link), the host CPU its messages cost as fitted on the cluster (without it a
+    message costs no CPU, as on a GPU cluster). One perf.step.Prediction per row, with its breakdown."""
     import dataclasses
 
     import torch
@@ -288,7 +289,8 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
                                    cpu_s_per_byte=max(0.0, measured["cpu_s_per_byte"]) / 2)
     # shared_compute gives each rank 1/devices_per_node of one calibrated core: the ranks per core here
     per_core = max(1, -(-world // (os.cpu_count() or 1)))
-    sim = dataclasses.replace(cpu, name="cpu-simcluster", devices_per_node=per_core, intra=link, inter=link)
+    sim = dataclasses.replace(cpu, name="cpu-simcluster", devices_per_node=per_core, intra=link, inter=link,
+                              shared_efficiency=sharing["efficiency"] if sharing else 1.0)
     out = []
     rows = ablation_rows(a, "unused")
     for _, args in [rows[i] for i in a.ablation_rows]:
@@ -356,6 +358,67 @@ def measure_link(a: argparse.Namespace, pairs: list[list[int]], repeats: int = 4
     cpu_slope, cpu_alpha = statistics.linear_regression([s / 2 for s in LINK_SIZES], cpu)
     return {"latency_s": max(0.0, alpha), "bandwidth": 1 / max(slope, 1e-12), "times": times,
             "cpu_s_per_message": cpu_alpha, "cpu_s_per_byte": cpu_slope, "cpu_s": cpu}
+
+
+def share_worker(a: argparse.Namespace) -> None:
+    """On each rank of a 2-rank job (`--row`: the job's index among those at once, `--sweep`: its turn): a
+    tp2 rank's work, the `--dims tp` model with its tp collectives no-ops, on core 2 x job + rank (mod
+    the cores); rank 0 prints the ranks' median CPU-seconds per step."""
+    import torch
+
+    from megascale.config import load_config
+    from megascale.distributed.init import shutdown_distributed
+    from megascale.train import Trainer
+
+    cores, rank = sorted(os.sched_getaffinity(0)), int(os.environ["RANK"])
+    os.sched_setaffinity(0, {cores[(2 * a.row + rank) % len(cores)]})
+    torch.set_num_threads(1)
+    run_dir = f"{a.base}/share-{a.sweep}-{a.row}"
+    trainer = Trainer(load_config(None, overrides(a, "tp", "serial", run_dir)), quiet=True)
+    wrapper = Collectives(dim_groups(trainer.engine, ("tp",)))
+    wrapper.mode = "nocomm"
+    for _ in range(a.warmup):
+        trainer.train_step()
+    cpu = []
+    for _ in range(2 * a.steps):
+        t0 = time.process_time()
+        trainer.train_step()
+        cpu.append(time.process_time() - t0)
+    wrapper.mode = "pass"
+    trainer.close()
+    t = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
+    wrapper.real["all_reduce"](t)
+    if rank == 0:
+        print("RESULT " + json.dumps({"cpu_s": float(t) / 2}), flush=True)
+    shutdown_distributed()
+
+
+def measure_sharing(cluster, a: argparse.Namespace, ranks: int = 8, rounds: int = 2) -> dict | None:
+    """How much of a core's speed its ranks keep when `ranks` of them time-slice the machine's cores,
+    as the ablation's do: a tp2 job's CPU-seconds per step alone (a core per rank) against four such
+    jobs at once (ranks / cores a core), the same work, alternated `rounds` times, medians. None where
+    every rank has a core of its own.
+
+    Measured on 2 cores with a probe of the same work, alternating: 0.56-0.69 CPU-s a step alone,
+    0.79-0.84 four jobs at once (x1.2-1.5), while a one-process loop of the same model's steps lost
+    under 8% at 4 a core."""
+    cores = len(os.sched_getaffinity(0))
+    if ranks <= cores:
+        return None
+    alone, shared = [], []
+    for turn in range(rounds):  # alternated: the machine's speed drifts by 20% within minutes
+        port = 29380 + turn * (ranks // 2 + 1)
+
+        def job(j: int, sweep: int, port: int) -> list:  # on hosts 2j, 2j + 1; sweep: its run directory
+            return start_job(cluster, a, "share", port, ["--row", str(j), "--sweep", str(sweep)],
+                             first_host=2 * j)
+
+        alone.append(finish_job(a, "share", job(0, 2 * turn, port + ranks // 2)))
+        jobs = [job(j, 2 * turn + 1, port + j) for j in range(ranks // 2)]
+        shared.append(statistics.median(finish_job(a, "share", procs)["cpu_s"] for procs in jobs))
+    one, many = statistics.median(x["cpu_s"] for x in alone), statistics.median(shared)
+    return {"alone_cpu_s": one, "shared_cpu_s": many, "ranks_per_core": ranks / cores,
+            "efficiency": min(1.0, one / many)}
 
 
 def machine_busy_s() -> float:
@@ -557,15 +620,26 @@ def worker(a: argparse.Namespace) -> None:
 
 def run_dim(cluster, a: argparse.Namespace, dim: str, port: int, extra: list[str] = ()) -> dict:
     """Every rank of one dimension's runs (dim "ablation": one ablation row), rank 0's RESULT."""
-    world = 8 if dim == "ablation" else DIMS[dim][1]
+    return finish_job(a, dim, start_job(cluster, a, dim, port, extra))
+
+
+def start_job(cluster, a: argparse.Namespace, dim: str, port: int, extra: list[str] = (),
+              first_host: int = 0) -> list:
+    """Launch one job's ranks, rank r on host first_host + r; its processes."""
+    world = {"ablation": 8, "share": 2}.get(dim) or DIMS[dim][1]
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", dim, *a.forward, *extra]
     procs = []
     for r in range(world):
         env = {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "MASTER_ADDR": cluster.addr(0), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": cluster.addr(first_host), "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(ROOT)}
-        procs.append(cluster.popen(r, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True))
+        procs.append(cluster.popen(first_host + r, argv, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish_job(a: argparse.Namespace, dim: str, procs: list) -> dict:
+    """Wait for a job's ranks; rank 0's RESULT (RuntimeError with its output if a rank failed)."""
     outs = [p.communicate(timeout=a.timeout)[0] for p in procs]
     for p, text in zip(procs, outs, strict=True):
         if p.returncode:
@@ -656,13 +730,16 @@ def main() -> int:
                    help="leave the ranks to the scheduler, even where each could have a core of its own")
     p.add_argument("--no-calibrate", action="store_true",
                    help="the planner column with the CPU preset as stored (placeholders if never calibrated)")
-    p.add_argument("--worker", choices=[*DIMS, "ablation"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=[*DIMS, "ablation", "share"], help=argparse.SUPPRESS)
     p.add_argument("--base", help=argparse.SUPPRESS)  # the workers' run directories go under it
     p.add_argument("--row", type=int, default=0, help=argparse.SUPPRESS)  # an ablation job's row
     p.add_argument("--sweep", type=int, default=0, help=argparse.SUPPRESS)  # and its sweep
     a = p.parse_args()
     if a.worker == "ablation":
         ablation_worker(a)
+        return 0
+    if a.worker == "share":
+        share_worker(a)
         return 0
     if a.worker:
         worker(a)
@@ -702,10 +779,17 @@ def main() -> int:
                   f"{a.ablation_rounds} sweeps of the rows, {a.steps} steps each after {a.warmup} "
                   f"(+ {a.steps} with no communication)")
             rows, link = run_ablation(cluster, a)
+            sharing = measure_sharing(cluster, a)
             # the planner: the CPU preset as calibrated here (`megascale plan --calibrate --cluster cpu`),
-            # its links at the tbf rate (nominal) and as fitted on the cluster (measured)
-            nominal = [x.step_time for x in predicted_steps(a, 8)]
-            planned = predicted_steps(a, 8, link)
+            # the cores' speed shared as measured, its links at the tbf rate (nominal) and as fitted on
+            # the cluster (measured)
+            nominal = [x.step_time for x in predicted_steps(a, 8, sharing=sharing)]
+            planned = predicted_steps(a, 8, link, sharing)
+            if sharing:
+                print(f"a core time-sliced by {sharing['ranks_per_core']:.0f} ranks keeps "
+                      f"{sharing['efficiency']:.2f} of its speed (a tp2 rank's no-comm step "
+                      f"{sharing['alone_cpu_s']:.3f} CPU-s on a core of its own, "
+                      f"{sharing['shared_cpu_s']:.3f} among them)")
             print(f"links as measured (2-rank all-gathers, 4 pairs at once): "
                   f"{link['latency_s'] * 1e6:.0f} us per message, {link['bandwidth'] * 8 / 1e6:.0f} Mbit/s "
                   f"(the tbf rate {a.mbit:.0f}); the machine's CPU per all-gather "

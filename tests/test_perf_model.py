@@ -260,3 +260,30 @@ def test_ranks_sharing_cores_are_bounded_by_their_compute_and_messages_cpu():
     gpu_like = predict(cfg, lay, _shared_node(1e-3, 1e-9, shared=False), global_batch=batch)
     no_cost = predict(cfg, lay, _shared_node(0, 0, shared=False), global_batch=batch)
     assert gpu_like.step_time == pytest.approx(no_cost.step_time)
+
+
+def test_ranks_time_slicing_a_core_lose_its_measured_efficiency(tmp_path):
+    from megascale.perf.step import MEGATRON, Layout, predict
+
+    cfg, lay, batch = small(), Layout(tp=2, micro_batch=2), 8
+    node = _shared_node(1e-3, 1e-9)
+    full = predict(cfg, lay, node, MEGATRON, global_batch=batch, explain=True)
+    half = predict(cfg, lay, dataclasses.replace(node, shared_efficiency=0.5), MEGATRON, global_batch=batch,
+                   explain=True)
+    # the compute takes twice the wall time and twice the CPU; the messages' CPU is the links' own
+    assert half.breakdown.compute == pytest.approx(2 * full.breakdown.compute)
+    assert half.cpu_seconds["compute"] == pytest.approx(2 * full.cpu_seconds["compute"])
+    assert half.cpu_seconds["comm"] == pytest.approx(full.cpu_seconds["comm"])
+    # a rank alone on the node keeps its whole core
+    alone = Layout(micro_batch=2)
+    assert predict(cfg, alone, dataclasses.replace(node, shared_efficiency=0.5), MEGATRON,
+                   global_batch=batch).step_time == pytest.approx(
+        predict(cfg, alone, node, MEGATRON, global_batch=batch).step_time)
+    text = open(load_preset("cpu", use_calibration=False).source).read()
+    mine = tmp_path / "mine.toml"
+    top = text.index("\n[")  # a top-level key goes before the first table
+    mine.write_text(text[:top] + "\nshared_efficiency = 0.7" + text[top:])
+    assert load_preset(str(mine), use_calibration=False).shared_efficiency == 0.7
+    mine.write_text(text[:top] + "\nshared_efficiency = 1.5" + text[top:])
+    with pytest.raises(UserError, match=r"shared_efficiency must be a number in \(0, 1\], got 1.5"):
+        load_preset(str(mine), use_calibration=False)

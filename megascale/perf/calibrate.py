@@ -6,8 +6,10 @@ measurements: a dozen matmuls of the shapes a transformer layer runs (square, ta
 small head dimensions), timed after a warm-up, and a large elementwise add for bandwidth.
 `half_dim` is chosen on a grid and `max_efficiency` by least squares in log-time, so a
 handful of points is enough; `overhead_s` is the time of a tiny matmul (kernel launch or,
-on a CPU, PyTorch's dispatch). The result is stored per preset
-(~/.cache/megascale/calibration/NAME.json) and overlaid on the preset from then on.
+on a CPU, PyTorch's dispatch); the framework's work per layer beyond its kernels is the real
+block's time at a tiny shape less what the fitted kernel model gives it (perf/host.py). The
+result is stored per preset (~/.cache/megascale/calibration/NAME.json) and overlaid on the
+preset from then on.
 
 torch is imported inside the functions: the planner itself must not need it.
 """
@@ -22,7 +24,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from megascale.errors import UserError
-from megascale.perf.gemm import shape_efficiency
+from megascale.perf import host
+from megascale.perf.gemm import DeviceModel, shape_efficiency
 from megascale.perf.presets import ClusterPreset, GemmCurve, calibration_path
 
 SHAPES = [  # (m, n, k): square, token x hidden projections, attention-like small k
@@ -128,8 +131,6 @@ def _measure_kernels(torch, device, dt, sync, budget, tick, memory_bw) -> dict:
 
 def attention_efficiency(curve: GemmCurve, peak: float, meas: dict) -> float:
     """Measured causal SDPA forward+backward against plain GEMMs of the same (causal) FLOPs."""
-    from megascale.perf.gemm import DeviceModel
-
     a = meas["attention"]
     dev = DeviceModel(peak, meas["memory_bw"], curve, 4)
     frac = (a["s"] + 1) / 2 / a["s"]
@@ -159,6 +160,10 @@ def fit(points: list[dict], peak: float, overhead: float) -> GemmCurve:
     return GemmCurve(max_efficiency=best[2], half_dim=best[1], overhead_s=overhead, memory_efficiency=1.0)
 
 
+def _bytes(dtype: str) -> int:
+    return {"fp64": 8, "fp32": 4, "tf32": 4}.get(dtype, 2)
+
+
 def calibrate(preset: ClusterPreset, out: Path | None = None, clock: str = "wall") -> dict:
     """Measure on this machine, fit, store beside the preset name; returns what was stored."""
     import torch
@@ -177,6 +182,10 @@ def calibrate(preset: ClusterPreset, out: Path | None = None, clock: str = "wall
     curve = fit(meas["points"], peak, meas["overhead_s"])
     extra = {k: meas[k] for k in ("gelu_fwd_s", "gelu_bwd_s", "silu_fwd_s", "silu_bwd_s")}
     curve = replace(curve, attention_efficiency=attention_efficiency(curve, peak, meas), **extra)
+    # last, against the kernel model just fitted: what the framework adds per layer (perf/host.py)
+    kernels = DeviceModel(peak, meas["memory_bw"], curve, _bytes(preset.dtype), host_async=device != "cpu")
+    tick = cpu_clock(torch.get_num_threads()) if device == "cpu" and clock == "cpu" else time.perf_counter
+    curve = replace(curve, **host.measure(device, preset.dtype, kernels, tick))
     result = {
         "preset": preset.name,
         "peak_flops": peak,

@@ -167,8 +167,8 @@ def layer_cost(
     bwd = dev.elementwise(BACKWARD_ELEMENTWISE_FACTOR * ew_bytes, 2 * ew_kernels)
     act_elems = tokens * cfg.ffn_dim / tp  # the activation function's inputs on this rank
     c = dev.curve
-    fwd += act_elems * (c.silu_fwd_s if cfg.style == "llama" else c.gelu_fwd_s)
-    bwd += act_elems * (c.silu_bwd_s if cfg.style == "llama" else c.gelu_bwd_s)
+    fwd += act_elems * (c.silu_fwd_s if cfg.style == "llama" else c.gelu_fwd_s) / dev.share
+    bwd += act_elems * (c.silu_bwd_s if cfg.style == "llama" else c.gelu_bwd_s) / dev.share
     fwd_exp = bwd_exp = fwd_comm = bwd_comm = 0.0
     act_bytes = tokens * cfg.d_model * bpe  # one full activation of the layer
     for i, group in enumerate(groups):
@@ -195,6 +195,9 @@ def layer_cost(
             fwd_exp += cf
             bwd_exp += cb
     fwd_flops = sum(g.flops for group in groups for g in group)
+    # the framework's own work per layer and micro-batch (perf/host.py), before the exposed collectives
+    fwd = dev.with_host(fwd, dev.curve.host_layer_fwd_s)
+    bwd = dev.with_host(bwd, dev.curve.host_layer_bwd_s)
     if recompute:  # the backward first reruns the forward, collectives included
         bwd += fwd
         bwd_exp += fwd_exp
@@ -211,7 +214,8 @@ def head_cost(cfg: ModelConfig, dev: DeviceModel, micro_batch: int, tp: int) -> 
     norm = 2 * tokens * cfg.d_model * bpe
     fwd = dev.gemm(g.m, g.n, g.k) + dev.elementwise(3 * logits + norm, 4)  # max, exp-sum, log-prob
     bwd = dev.gemm(g.m, g.k, g.n) + dev.gemm(g.k, g.n, g.m) + dev.elementwise(2 * logits + 2 * norm, 3)
-    return fwd, bwd
+    # the framework's work around the layers per micro-batch (perf/host.py), charged to the backward
+    return fwd, dev.with_host(bwd, dev.curve.host_microbatch_s)
 
 
 def embedding_cost(cfg: ModelConfig, dev: DeviceModel, micro_batch: int) -> tuple[float, float]:

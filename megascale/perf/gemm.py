@@ -36,10 +36,24 @@ class DeviceModel:
     memory_bw: float
     curve: GemmCurve
     bytes_per_element: int
+    # The fraction of the device's throughput this rank gets (shared_compute: ranks time-slicing a
+    # CPU's cores); peak_flops and memory_bw are already scaled by it, per-kernel and per-element CPU
+    # costs are scaled where they are used. A CPU runs the framework's host work (curve.host_layer_*)
+    # on the cores that run the kernels; a GPU runs it ahead of its kernels, asynchronously.
+    share: float = 1.0
+    host_async: bool = False
 
     @classmethod
     def from_preset(cls, preset: ClusterPreset, bytes_per_element: int, share: float = 1.0) -> DeviceModel:
-        return cls(preset.peak_flops * share, preset.memory_bw * share, preset.gemm, bytes_per_element)
+        return cls(preset.peak_flops * share, preset.memory_bw * share, preset.gemm, bytes_per_element,
+                   share=share, host_async=preset.device != "cpu")
+
+    def with_host(self, kernels: float, host_cpu_s: float) -> float:
+        """Seconds of a stretch of kernels that also costs the host `host_cpu_s` CPU-seconds: the sum on
+        a CPU (same cores, at this device's share), the longer of the two on a GPU (the host runs ahead
+        and the kernels wait only when it falls behind)."""
+        host = host_cpu_s / self.share
+        return max(kernels, host) if self.host_async else kernels + host
 
     def gemm(
         self,
@@ -60,8 +74,9 @@ class DeviceModel:
         moved = (m * k + k * n + (0 if fused else m * n)) * batch * self.bytes_per_element
         t_compute = flops / (self.peak_flops * eff)
         t_memory = moved / (self.memory_bw * self.curve.memory_efficiency)
-        return self.curve.overhead_s + max(t_compute, t_memory)
+        return self.curve.overhead_s / self.share + max(t_compute, t_memory)
 
     def elementwise(self, n_bytes: float, n_kernels: int = 1) -> float:
         """Seconds for memory-bound kernels moving `n_bytes` in total (reads + writes)."""
-        return n_kernels * self.curve.overhead_s + n_bytes / (self.memory_bw * self.curve.memory_efficiency)
+        return (n_kernels * self.curve.overhead_s / self.share
+                + n_bytes / (self.memory_bw * self.curve.memory_efficiency))

@@ -69,6 +69,11 @@ class GemmCurve:
     gelu_bwd_s: float = 0.0
     silu_fwd_s: float = 0.0
     silu_bwd_s: float = 0.0
+    # The framework's own seconds per layer and micro-batch (Python modules, autograd, allocations;
+    # perf/host.py), forward and backward: they add to a CPU's kernels and hide under a GPU's.
+    host_layer_fwd_s: float = 0.0
+    host_layer_bwd_s: float = 0.0
+    host_microbatch_s: float = 0.0  # outside the layers: embedding, head, loss; forward + backward
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,10 @@ class ClusterPreset:
     inter: Link
     gemm: GemmCurve = field(default_factory=GemmCurve)
     shared_compute: bool = False  # CPU processes on one node share its cores
+    # shared_compute: the fraction of its throughput a core keeps when it time-slices several ranks
+    # (their caches evict each other; benchmarks/overlap.py measures it on its cluster: 4 tp ranks a
+    # core did their work at 0.71 of the speed they had on a core each). 1: no loss.
+    shared_efficiency: float = 1.0
     # How sliding-window attention runs: "flex" skips masked blocks (FlexAttention on CUDA); "banded"
     # computes each query block against two key blocks with a mask (megascale.ops, CPU path).
     sliding_kernel: str = "flex"
@@ -92,7 +101,10 @@ class ClusterPreset:
 
     def device_share(self, devices_on_node: int) -> float:
         """Fraction of the calibrated throughput one device gets when `devices_on_node` run at once."""
-        return 1.0 / max(1, devices_on_node) if self.shared_compute else 1.0
+        if not self.shared_compute:
+            return 1.0
+        k = max(1, devices_on_node)
+        return (self.shared_efficiency if k > 1 else 1.0) / k
 
 
 def builtin_names() -> list[str]:
@@ -174,6 +186,13 @@ def _at_least_0(raw: dict[str, Any], key: str, where: str) -> float:
     return float(value)
 
 
+def _fraction(raw: dict[str, Any], key: str, where: str) -> float:
+    value = raw.get(key, 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise UserError(f"cluster preset {where}: {key} must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
 def _from_dict(raw: dict[str, Any], where: str) -> ClusterPreset:
     dtype = str(raw.get("dtype", "bf16"))
     peak = raw.get("peak_flops")
@@ -201,6 +220,7 @@ def _from_dict(raw: dict[str, Any], where: str) -> ClusterPreset:
         inter=_link(raw, "inter", where),
         gemm=GemmCurve(**{k: float(v) for k, v in g.items()}),
         shared_compute=bool(raw.get("shared_compute", False)),
+        shared_efficiency=_fraction(raw, "shared_efficiency", where),
         sliding_kernel=str(raw.get("sliding_kernel", "flex")),
         source=where,
     )

@@ -254,8 +254,10 @@ def rank_cpu_seconds(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: S
     as_cpu = dataclasses.replace(preset, intra=preset.intra.cpu_link or free,
                                  inter=preset.inter.cpu_link or free)
     cpu = _parts(cfg, lay, as_cpu, st, m, policy)  # its "times" of collectives are CPU seconds
-    share = preset.device_share(min(lay.world, preset.devices_per_node))
-    return {"compute": _rank_compute(parts, tl) * share, "comm": sum(cpu.comm_total.values()) + cpu.other}
+    # the rank is on a core 1/k of the time: its compute's wall time at that share is k times its CPU
+    # time (a shared_efficiency below 1 made both longer: the slices of a shared core get less done)
+    k = max(1, min(lay.world, preset.devices_per_node))
+    return {"compute": _rank_compute(parts, tl) / k, "comm": sum(cpu.comm_total.values()) + cpu.other}
 
 
 def _rank_compute(parts: _Parts, tl: pipeline.Timeline) -> float:
