@@ -27,6 +27,7 @@ from megascale.errors import UserError
 from megascale.perf import host
 from megascale.perf.gemm import DeviceModel, shape_efficiency
 from megascale.perf.presets import ClusterPreset, GemmCurve, calibration_path
+from megascale.perf.step import bytes_per_element
 
 SHAPES = [  # (m, n, k): square, token x hidden projections, attention-like small k
     (128, 128, 128), (256, 256, 256), (512, 512, 512), (1024, 1024, 1024),
@@ -160,10 +161,6 @@ def fit(points: list[dict], peak: float, overhead: float) -> GemmCurve:
     return GemmCurve(max_efficiency=best[2], half_dim=best[1], overhead_s=overhead, memory_efficiency=1.0)
 
 
-def _bytes(dtype: str) -> int:
-    return {"fp64": 8, "fp32": 4, "tf32": 4}.get(dtype, 2)
-
-
 def calibrate(preset: ClusterPreset, out: Path | None = None, clock: str = "wall") -> dict:
     """Measure on this machine, fit, store beside the preset name; returns what was stored."""
     import torch
@@ -183,7 +180,8 @@ def calibrate(preset: ClusterPreset, out: Path | None = None, clock: str = "wall
     extra = {k: meas[k] for k in ("gelu_fwd_s", "gelu_bwd_s", "silu_fwd_s", "silu_bwd_s")}
     curve = replace(curve, attention_efficiency=attention_efficiency(curve, peak, meas), **extra)
     # last, against the kernel model just fitted: what the framework adds per layer (perf/host.py)
-    kernels = DeviceModel(peak, meas["memory_bw"], curve, _bytes(preset.dtype), host_async=device != "cpu")
+    bpe = bytes_per_element(preset.dtype)
+    kernels = DeviceModel(peak, meas["memory_bw"], curve, bpe, host_async=device != "cpu")
     tick = cpu_clock(torch.get_num_threads()) if device == "cpu" and clock == "cpu" else time.perf_counter
     curve = replace(curve, **host.measure(device, preset.dtype, kernels, tick))
     result = {

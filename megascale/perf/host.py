@@ -4,9 +4,10 @@ The kernel model (perf/gemm.py) times GEMMs and memory-bound kernels, each with 
 `overhead_s`. A training step also runs Python: the layer's modules, autograd's graph (built in the
 forward, walked in the backward), tensor allocations. On a GPU that work runs ahead of the kernels,
 asynchronously, and is hidden while kernels are longer; on a CPU the same core runs it between the
-kernels, so it adds. Measured on a 2-core EPYC: ~0.1 ms forward and ~0.3-0.5 ms backward per layer
-and micro-batch, a few percent of a d_model 256 layer's 15 ms and ~2 ms of the ~10 ms that the planner
-missed per layer of a tp2 rank before it was counted.
+kernels, so it adds. Measured on a 2-core EPYC: ~0.06 ms forward and ~0.12-0.19 ms backward per layer
+and micro-batch and ~0.12 ms around the layers, a few percent of a d_model 256 layer's ~15 ms. Inside
+the Trainer the same code costs about twice that (py-spy: the loop here runs hotter), which the planner
+does not know yet.
 
 `measure` times the real block (megascale/model/block.py), sequential and parallel, and a
 one-layer GPT's loss step (the embedding, head and loss around the layers), at a shape so small
@@ -28,22 +29,19 @@ from megascale.perf.gemm import DeviceModel
 # (several heads, a real MLP, a micro-batch of 2 as a CPU run uses).
 TINY = {"d_model": 64, "n_heads": 4, "seq_len": 16}
 MICRO_BATCH = 2
+BUDGET_S = 0.1  # per timing: up to 50 calls of a fraction of a millisecond
 
 
-def _median_time(fn, clock, repeats: int = 60) -> float:
-    for _ in range(5):  # warm-up: first calls allocate and build caches
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times)
+def median_time(fn, budget: float, clock) -> float:
+    from megascale.perf.calibrate import _time  # calibrate imports this module: not at the top
+
+    return _time(fn, budget, clock)
 
 
 def measure(device: str, dtype: str, dev: DeviceModel, clock=time.perf_counter) -> dict[str, float]:
-    """{"host_layer_fwd_s", "host_layer_bwd_s"}: the framework's seconds per layer and micro-batch
-    that `dev` (the calibrated kernel model) does not account for, the mean of the two blocks."""
+    """{"host_layer_fwd_s", "host_layer_bwd_s", "host_microbatch_s"}: the framework's seconds per layer
+    (the mean of the two blocks) and around the layers, per micro-batch, that `dev` (the calibrated
+    kernel model) does not account for."""
     import torch
 
     from megascale.model.block import Block
@@ -70,8 +68,8 @@ def measure(device: str, dtype: str, dev: DeviceModel, clock=time.perf_counter) 
             layer(x).backward(grad)
             sync()
 
-        t_f = _median_time(forward, clock)
-        t_fb = _median_time(forward_backward, clock)
+        t_f = median_time(forward, BUDGET_S, clock)
+        t_fb = median_time(forward_backward, BUDGET_S, clock)
         kernels = compute.layer_cost(cfg, dev, MICRO_BATCH, 1, False, None, block == "parallel", False, False)
         fwd.append(max(0.0, t_f - kernels.fwd))
         bwd.append(max(0.0, t_fb - t_f - kernels.bwd))
@@ -98,4 +96,4 @@ def _ends(device, dt, dev: DeviceModel, sync, clock, block_s: float) -> float:
 
     kernels = sum(compute.head_cost(cfg, dev, MICRO_BATCH, 1))
     kernels += sum(compute.embedding_cost(cfg, dev, MICRO_BATCH))
-    return max(0.0, _median_time(loss_step, clock) - block_s - kernels)
+    return max(0.0, median_time(loss_step, BUDGET_S, clock) - block_s - kernels)

@@ -105,7 +105,7 @@ class Prediction:
         return d
 
 
-def _bytes_per_element(dtype: str) -> int:
+def bytes_per_element(dtype: str) -> int:
     return {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp64": 8}[dtype]
 
 
@@ -136,7 +136,7 @@ class _Parts:
 
 
 def _parts(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m: int, policy: str) -> _Parts:
-    bpe = _bytes_per_element(preset.dtype)
+    bpe = bytes_per_element(preset.dtype)
     share = preset.device_share(min(lay.world, preset.devices_per_node))
     dev = DeviceModel.from_preset(preset, bpe, share)
     pb = cfg.block == "parallel" if st.parallel_block is None else st.parallel_block
@@ -226,7 +226,7 @@ def predict(
     inflight = pipeline.max_inflight(pipeline.schedule(lay.pp, lay.vpp, m, 0, ahead))
     mem = memory.estimate(
         cfg, lay.tp, lay.pp, lay.dp, lay.micro_batch, inflight, lay.vpp, policy,
-        act_bytes=_bytes_per_element(preset.dtype), sp=lay.sequence_parallel and lay.tp > 1,
+        act_bytes=bytes_per_element(preset.dtype), sp=lay.sequence_parallel and lay.tp > 1,
         flash=True, recompute=lay.recompute,
     )  # fmt: skip
     fits = mem.total <= USABLE_MEMORY_FRACTION * preset.memory_bytes
