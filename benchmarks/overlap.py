@@ -35,7 +35,9 @@ slowed under 10%, all together T_overlap / T_nocomm <= 1.10.
 
 `--ablation` adds MegaScale's table (its rows cumulative on dp2 x pp2 x tp2, 8 hosts; the rows swept
 `--ablation-rounds` times, a job of fresh processes per row and sweep, medians over the sweeps) with the
-planner's step time per row twice. Both use the links' tbf rate and veth's latency. "planner" adds what
+planner's step time per row twice, on the CPU preset calibrated at the end of the run (`megascale plan
+--calibrate` into a file of its own: perf/calibrate.py's kernels and perf/host.py's framework work, as the
+machine runs then). Both use the links' tbf rate and veth's latency. "planner" adds what
 a message costs the host's CPU (gloo's copies, the kernel's TCP work), fitted here on 2-rank
 all-gathers of three sizes, all pairs at once, from the machine's busy time: 8 ranks share 2 cores,
 so that CPU competes with the compute, and perf/step.py bounds the step by the sum (`rank_cpu_seconds`).
@@ -262,9 +264,12 @@ def ablation_rows(a: argparse.Namespace, base: str) -> list[tuple[str, list[str]
 
 
 def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = None,
-                    sharing: dict | None = None) -> list:
-    """The planner's step time for each ablation row, on this machine's calibrated CPU preset made into
-    the simulated cluster: the ranks sharing this machine's cores (at the speed `sharing`, from
+                    sharing: dict | None = None, calibration: Path | None = None) -> list:
+    """The planner's step time for each ablation row, on this machine's CPU preset calibrated now (into
+    a file of its own, or the one at `calibration`; `--no-calibrate`: as stored, placeholders if never
+    calibrated: the machine's speed drifts by 20% in minutes, a calibration of another hour predicts
+    another machine) made into the simulated cluster: the ranks sharing this machine's cores (at the
+    speed `sharing`, from
     measure_sharing, says a shared core keeps), every link the tbf rate with veth's latency and, given
     `measured` (measure_link), the host CPU its messages cost as fitted on the cluster (without it a
     message costs no CPU, as on a GPU cluster). One perf.step.Prediction per row, with its breakdown."""
@@ -275,14 +280,16 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
     from megascale.config import load_config
     from megascale.data.tokenizer import build_tokenizer
     from megascale.perf.calibrate import calibrate
-    from megascale.perf.presets import Link, load_preset
+    from megascale.perf.presets import Link, apply_calibration, load_preset
     from megascale.perf.step import Layout, Settings, predict
 
-    cpu = load_preset("cpu")
-    if not cpu.calibrated and not a.no_calibrate:  # on one thread, as each rank runs
-        torch.set_num_threads(1)
-        calibrate(load_preset("cpu", use_calibration=False))
-        cpu = load_preset("cpu")
+    cpu = load_preset("cpu", use_calibration=a.no_calibrate)
+    if not a.no_calibrate:
+        calibration = calibration or Path(tempfile.mkdtemp()) / "cpu.json"
+        if not calibration.exists():  # now, on one thread as each rank runs, in CPU time
+            torch.set_num_threads(1)
+            calibrate(cpu, out=calibration, clock="cpu")
+        cpu = apply_calibration(cpu, calibration)
     link = Link(bandwidth=a.mbit * 1e6 / 8, efficiency=0.95, latency_s=150e-6)  # tbf rate; veth + bridge
     if measured is not None:  # the fit is of a 2-rank all-gather's CPU, both ends: half per rank
         link = dataclasses.replace(link, cpu_s_per_message=max(0.0, measured["cpu_s_per_message"]) / 2,
@@ -729,7 +736,8 @@ def main() -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="leave the ranks to the scheduler, even where each could have a core of its own")
     p.add_argument("--no-calibrate", action="store_true",
-                   help="the planner column with the CPU preset as stored (placeholders if never calibrated)")
+                   help="the planner column with the CPU preset's calibration as stored (placeholders if "
+                        "never calibrated), not a fresh one")
     p.add_argument("--worker", choices=[*DIMS, "ablation", "share"], help=argparse.SUPPRESS)
     p.add_argument("--base", help=argparse.SUPPRESS)  # the workers' run directories go under it
     p.add_argument("--row", type=int, default=0, help=argparse.SUPPRESS)  # an ablation job's row
@@ -783,8 +791,9 @@ def main() -> int:
             # the planner: the CPU preset as calibrated here (`megascale plan --calibrate --cluster cpu`),
             # the cores' speed shared as measured, its links at the tbf rate (nominal) and as fitted on
             # the cluster (measured)
-            nominal = [x.step_time for x in predicted_steps(a, 8, sharing=sharing)]
-            planned = predicted_steps(a, 8, link, sharing)
+            calibration = Path(tmp) / "cpu.json"  # the first call calibrates the CPU into it
+            planned = predicted_steps(a, 8, link, sharing, calibration)
+            nominal = [x.step_time for x in predicted_steps(a, 8, sharing=sharing, calibration=calibration)]
             if sharing:
                 print(f"a core time-sliced by {sharing['ranks_per_core']:.0f} ranks keeps "
                       f"{sharing['efficiency']:.2f} of its speed (a tp2 rank's no-comm step "

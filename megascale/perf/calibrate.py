@@ -6,8 +6,9 @@ measurements: a dozen matmuls of the shapes a transformer layer runs (square, ta
 small head dimensions), timed after a warm-up, and a large elementwise add for bandwidth.
 `half_dim` is chosen on a grid and `max_efficiency` by least squares in log-time, so a
 handful of points is enough; `overhead_s` is the time of a tiny matmul (kernel launch or,
-on a CPU, PyTorch's dispatch); the framework's work per layer beyond its kernels is the real
-block's time at a tiny shape less what the fitted kernel model gives it (perf/host.py). The
+on a CPU, PyTorch's dispatch); the framework's work beyond its kernels, and how much slower a
+layer's kernels run in place than alone, come from the real Trainer's steps less what the fitted
+kernel model gives them (perf/host.py). The
 result is stored per preset (~/.cache/megascale/calibration/NAME.json) and overlaid on the
 preset from then on.
 
@@ -179,17 +180,18 @@ def calibrate(preset: ClusterPreset, out: Path | None = None, clock: str = "wall
     curve = fit(meas["points"], peak, meas["overhead_s"])
     extra = {k: meas[k] for k in ("gelu_fwd_s", "gelu_bwd_s", "silu_fwd_s", "silu_bwd_s")}
     curve = replace(curve, attention_efficiency=attention_efficiency(curve, peak, meas), **extra)
-    # last, against the kernel model just fitted: what the framework adds per layer (perf/host.py)
+    # last, against the kernel model just fitted: what the framework adds (perf/host.py)
     bpe = bytes_per_element(preset.dtype)
     kernels = DeviceModel(peak, meas["memory_bw"], curve, bpe, host_async=device != "cpu")
-    tick = cpu_clock(torch.get_num_threads()) if device == "cpu" and clock == "cpu" else time.perf_counter
-    curve = replace(curve, **host.measure(device, preset.dtype, kernels, tick))
+    host_terms, host_times = host.measure(device, preset.dtype, kernels, clock if device == "cpu" else "wall")
+    curve = replace(curve, **host_terms)
     result = {
         "preset": preset.name,
         "peak_flops": peak,
         "memory_bw": meas["memory_bw"],
         "gemm": asdict(curve),
         "points": meas["points"],
+        "host_times": host_times,  # perf/host.py: the tiny and wide Trainer steps the host terms came from
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "clock": clock,

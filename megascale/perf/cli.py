@@ -74,6 +74,13 @@ def handler(args: argparse.Namespace) -> int:
             f"overhead {g['overhead_s'] * 1e6:.1f} us,"
             f" memory {res['memory_bw'] / 1e9:.1f} GB/s -> {res['path']}"
         )
+        print(  # perf/host.py: the Trainer's own work beyond its kernels, and its kernels in place
+            f"  framework, ms: {(g['host_layer_fwd_s'] + g['host_layer_bwd_s']) * 1e3:.2f} per layer and "
+            f"micro-batch (+{g['host_tp_call_s'] * 1e3:.3f} per TP collective), "
+            f"{g['host_microbatch_s'] * 1e3:.2f} per micro-batch (+{g['host_tp_microbatch_s'] * 1e3:.2f} "
+            f"under TP), {g['host_step_s'] * 1e3:.2f} per step + {g['host_layer_step_s'] * 1e3:.2f} per "
+            f"layer; kernels in place x{g['in_place_factor']:.2f} (TP x{g['in_place_factor_tp']:.2f})"
+        )
         if not args.config:
             return 0
         preset = load_preset(args.cluster)

@@ -129,6 +129,14 @@ def elementwise_bytes(
     return elems * tokens * bpe, kernels
 
 
+def tp_calls_per_layer(tp: int, parallel_block: bool, sp: bool, tp_overlap: bool) -> int:
+    """TP collective calls of one layer in each direction on one rank: one next to each GEMM group but
+    the attention core's (layer_gemms), each cut into tp chunks by the TP overlap under SP."""
+    if tp == 1:
+        return 0
+    return (2 if parallel_block else 4) * (tp if tp_overlap and sp else 1)
+
+
 def _overlap(comm: float, gemm: float, chunks: int) -> float:
     """Exposed part of a collective chunked against a GEMM (time of the pair minus the GEMM)."""
     return max(comm, gemm) + min(comm, gemm) / max(chunks, 1) - gemm
@@ -195,9 +203,13 @@ def layer_cost(
             fwd_exp += cf
             bwd_exp += cb
     fwd_flops = sum(g.flops for group in groups for g in group)
-    # the framework's own work per layer and micro-batch (perf/host.py), before the exposed collectives
-    fwd = dev.with_host(fwd, dev.curve.host_layer_fwd_s)
-    bwd = dev.with_host(bwd, dev.curve.host_layer_bwd_s)
+    # the framework's own work per layer and micro-batch (perf/host.py), before the exposed collectives:
+    # the modules' and autograd's, and the tensor-parallel functions' around each collective call; and
+    # the layer's kernels as they run in place (between others, in autograd's buffers), not alone
+    tp_host = tp_calls_per_layer(tp, parallel_block, sp, tp_overlap) * dev.curve.host_tp_call_s
+    in_place = dev.curve.in_place_factor if tp == 1 else dev.curve.in_place_factor_tp
+    fwd = dev.with_host(in_place * fwd, dev.curve.host_layer_fwd_s + tp_host)
+    bwd = dev.with_host(in_place * bwd, dev.curve.host_layer_bwd_s + tp_host)
     if recompute:  # the backward first reruns the forward, collectives included
         bwd += fwd
         bwd_exp += fwd_exp
@@ -214,8 +226,10 @@ def head_cost(cfg: ModelConfig, dev: DeviceModel, micro_batch: int, tp: int) -> 
     norm = 2 * tokens * cfg.d_model * bpe
     fwd = dev.gemm(g.m, g.n, g.k) + dev.elementwise(3 * logits + norm, 4)  # max, exp-sum, log-prob
     bwd = dev.gemm(g.m, g.k, g.n) + dev.gemm(g.k, g.n, g.m) + dev.elementwise(2 * logits + 2 * norm, 3)
-    # the framework's work around the layers per micro-batch (perf/host.py), charged to the backward
-    return fwd, dev.with_host(bwd, dev.curve.host_microbatch_s)
+    # the framework's work around the layers per micro-batch (perf/host.py; the vocab-parallel loss's
+    # under tp), charged to the backward
+    host = dev.curve.host_microbatch_s + (dev.curve.host_tp_microbatch_s if tp > 1 else 0.0)
+    return fwd, dev.with_host(bwd, host)
 
 
 def embedding_cost(cfg: ModelConfig, dev: DeviceModel, micro_batch: int) -> tuple[float, float]:

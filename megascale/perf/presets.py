@@ -74,6 +74,14 @@ class GemmCurve:
     host_layer_fwd_s: float = 0.0
     host_layer_bwd_s: float = 0.0
     host_microbatch_s: float = 0.0  # outside the layers: embedding, head, loss; forward + backward
+    host_tp_call_s: float = 0.0  # each TP collective call's functions (compute.tp_calls_per_layer)
+    host_tp_microbatch_s: float = 0.0  # what tp > 1 adds per micro-batch outside the layers
+    host_step_s: float = 0.0  # per step: the loader, the timers, the optimizer's set-up
+    host_layer_step_s: float = 0.0  # per step and layer a rank holds: optimizer, clipping, zeroing
+    # A layer's kernels in the Trainer against the kernel model's (each kernel timed alone), measured at a
+    # typical small layer (perf/host.py), at tp 1 and under tp > 1 (with SP's layout copies)
+    in_place_factor: float = 1.0
+    in_place_factor_tp: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -138,9 +146,9 @@ def load_preset(name_or_path: str, use_calibration: bool = True) -> ClusterPrese
     return preset
 
 
-def apply_calibration(preset: ClusterPreset) -> ClusterPreset:
-    """Overlay the stored calibration of this preset, if one exists."""
-    path = calibration_path(preset.name)
+def apply_calibration(preset: ClusterPreset, path: Path | None = None) -> ClusterPreset:
+    """Overlay the stored calibration of this preset (or the one at `path`), if one exists."""
+    path = path or calibration_path(preset.name)
     try:
         cal = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -186,6 +186,8 @@ def _parts(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m
 
     n_rank = max(memory.stage_params(cfg, lay.tp, p, s) for s in {0, p - 1})
     optimizer = dev.elementwise(OPTIMIZER_BYTES_PER_PARAM * n_rank / lay.dp, 8)
+    # the framework's per-step work (perf/host.py), counted with the optimizer that ends the step
+    optimizer = dev.with_host(optimizer, dev.curve.host_step_s + per_chunk * v * dev.curve.host_layer_step_s)
     other = collectives.all_reduce(
         8, lay.world, preset.inter if lay.world > preset.devices_per_node else preset.intra
     )
