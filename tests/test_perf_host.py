@@ -83,22 +83,43 @@ def _bare() -> DeviceModel:
         dev.curve, **dict.fromkeys(host.TERMS, 0.0), **dict.fromkeys(host.FACTORS, 1.0)))
 
 
+WANT = {"S": 3e-3, "P": 4e-4, "B": 2e-4, "H": 1.5e-4, "f": 1.2}
+
+
+def _made_of(dev: DeviceModel, tp: int, slow: float = 1.0) -> dict:
+    """The step times perf/host.py would measure if the framework cost exactly WANT, on a machine
+    running `slow` times slower than calibrated."""
+    layer = compute.layer_cost(ModelConfig(**host.WIDE, n_layers=1), dev, host.MICRO_BATCH, tp, tp > 1,
+                               None, False, False, False)
+    times = {"ref": slow * sum(dev.gemm(*g) for g in host.reference_gemms(tp))}
+    for shape, grid in ((host.TINY, host.GRID), (host.WIDE, host.WIDE_GRID)):
+        excess = (WANT["f"] - 1) * (layer.fwd + layer.bwd) if shape is host.WIDE else 0.0
+        for L, M in grid:
+            host_s = WANT["S"] + L * WANT["P"] + M * (WANT["B"] + L * (WANT["H"] + excess))
+            times[shape["d_model"], L, M] = slow * (host.kernels(dev, tp, L, M, shape) + host_s)
+    return times
+
+
 def test_the_fit_recovers_the_terms_the_step_times_were_made_of():
-    dev, want = _bare(), {"S": 3e-3, "P": 4e-4, "B": 2e-4, "H": 1.5e-4, "f": 1.2}
+    dev = _bare()
     for tp in (1, 2):
-        layer = compute.layer_cost(ModelConfig(**host.WIDE, n_layers=1), dev, host.MICRO_BATCH, tp, tp > 1,
-                                   None, False, False, False)
-        times = {}
-        for shape, grid in ((host.TINY, host.GRID), (host.WIDE, host.WIDE_GRID)):
-            excess = (want["f"] - 1) * (layer.fwd + layer.bwd) if shape is host.WIDE else 0.0
-            for L, M in grid:
-                host_s = want["S"] + L * want["P"] + M * (want["B"] + L * (want["H"] + excess))
-                times[shape["d_model"], L, M] = host.kernels(dev, tp, L, M, shape) + host_s
-        # measured on a machine running at 80% of the calibrated speed: every time 1.25x
-        ref = sum(dev.gemm(*g) for g in host.reference_gemms(tp))
-        got = host.fit(dev, tp, {**{k: 1.25 * t for k, t in times.items()}, "ref": 1.25 * ref})
+        got = host.fit(dev, tp, _made_of(dev, tp, slow=1.25))  # a machine at 80% of the calibrated speed
         assert got.pop("speed") == pytest.approx(0.8)
-        assert got == pytest.approx(want)
+        assert got == pytest.approx(WANT)
+
+
+def test_a_gpu_keeps_its_kernels_in_place_factor_at_one(monkeypatch):
+    """On a GPU the wide step is launch-bound: what it adds over the kernel model is host work, which a
+    factor on the kernels would multiply into every large layer the planner sizes."""
+    cpu = _bare()
+    gpu = dataclasses.replace(cpu, host_async=True)
+    monkeypatch.setattr(host, "_run", lambda tp, *a: _made_of(cpu, tp))
+    on_cpu, _ = host.measure("cpu", "fp32", cpu)
+    assert (on_cpu["in_place_factor"], on_cpu["in_place_factor_tp"]) == pytest.approx((1.2, 1.2))
+    assert on_cpu["host_tp_call_s"] == pytest.approx(0.0, abs=1e-12)  # the same host work at tp 1 and 2
+    on_gpu, _ = host.measure("cuda", "bf16", gpu)
+    assert on_gpu["in_place_factor"] == on_gpu["in_place_factor_tp"] == 1.0
+    assert on_gpu["host_step_s"] == pytest.approx(WANT["S"])
 
 
 def test_measuring_runs_the_trainer_and_keeps_only_what_the_kernel_model_does_not_explain():
