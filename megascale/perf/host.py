@@ -57,7 +57,7 @@ from megascale.perf.gemm import DeviceModel
 from megascale.perf.step import OPTIMIZER_BYTES_PER_PARAM
 
 TINY = {"d_model": 64, "n_heads": 4, "seq_len": 16, "dropout": 0.0, "vocab_size": 256}  # byte tokenizer
-# The CPU default's width and sequence (configs/cpu_default.toml): where the kernels are most of a layer
+# A typical small layer (heads of 64, as most models have), where the kernels are most of its time
 WIDE = {**TINY, "d_model": 256, "n_heads": 4, "seq_len": 128}
 MICRO_BATCH = 2
 GRID = ((1, 2), (1, 16), (3, 2), (3, 16))  # (layers, micro-batches a step) at TINY
@@ -201,9 +201,8 @@ def _trainer_args(tp: int, shape: dict, layers: int, micro_batches: int, device:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """In the subprocess: the Trainers of GRID's and WIDE_GRID's points side by side, taking turns of
-    `--steps` timed steps `--rounds` times (the machine's drift falls on all alike), the medians printed
-    as HOST {json}."""
+    """In the subprocess: the Trainers of GRID's and WIDE_GRID's points side by side, and the reference
+    GEMMs, the medians of their steps printed as HOST {json}."""
     p = argparse.ArgumentParser()
     for name, kind in (("tp", int), ("device", str), ("dtype", str), ("clock", str), ("threads", int),
                        ("rounds", int), ("steps", int)):
@@ -214,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from megascale.config import load_config
-    from megascale.observe import timers
+    from megascale.perf.hardware import _torch_dtype
     from megascale.train import Trainer
 
     warnings.filterwarnings("ignore")  # the fake backend's "set timeout is only supported for ..."
@@ -222,39 +221,55 @@ def main(argv: list[str] | None = None) -> int:
     if a.tp > 1 and not _fake_world(a.tp):
         print("HOST {}", flush=True)
         return 0
-    tick = time.process_time if a.clock == "cpu" else time.perf_counter
+    sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
+    dt = _torch_dtype(torch, a.dtype)
+    pairs = [(torch.randn(m, k, device=a.device, dtype=dt), torch.randn(k, n, device=a.device, dtype=dt))
+             for m, n, k in reference_gemms(a.tp)]
+
+    def reference() -> None:
+        for x, y in pairs:
+            torch.mm(x, y)
+        sync()
+
     with tempfile.TemporaryDirectory() as tmp:
-        rng = random.Random(0)  # a corpus of random words: only its length matters
-        words = ["".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(2, 8))) for _ in range(500)]
-        Path(tmp, "text.txt").write_text("\n".join(" ".join(rng.choices(words, k=60)) for _ in range(400)))
+        _write_corpus(Path(tmp, "text.txt"))
         points = [(shape, L, M) for shape, grid in ((TINY, GRID), (WIDE, WIDE_GRID)) for L, M in grid]
         trainers = {(shape["d_model"], L, M): Trainer(
             load_config(None, _trainer_args(a.tp, shape, L, M, a.device, a.dtype, tmp)), quiet=True)
             for shape, L, M in points}
-        times: dict = {k: [] for k in (*trainers, "ref")}
-        pairs = [(torch.randn(m, k, device=a.device), torch.randn(k, n, device=a.device))
-                 for m, n, k in reference_gemms(a.tp)]
-        sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
-        for turn in range(a.rounds + 1):  # turn 0: the warm-up
-            for _ in range(a.steps):
-                t0 = tick()
-                for x, y in pairs:
-                    torch.mm(x, y)
-                sync()
-                if turn:
-                    times["ref"].append(tick() - t0)
-            for key, trainer in trainers.items():
-                timers.install(trainer.observer.recorder)  # its own timers, as it would run alone
-                for _ in range(a.steps):
-                    t0 = tick()
-                    trainer.train_step()
-                    if turn:
-                        times[key].append(tick() - t0)
-        for trainer in trainers.values():
-            timers.install(trainer.observer.recorder)
-            trainer.close()
+        tick = time.process_time if a.clock == "cpu" else time.perf_counter
+        times = _take_turns(trainers, reference, tick, a.rounds, a.steps)
     print("HOST " + json.dumps({_key(k): statistics.median(t) for k, t in times.items()}), flush=True)
     return 0
+
+
+def _write_corpus(path: Path) -> None:
+    """Random words to train on (only their number matters): ~150 KB, more than the runs read."""
+    rng = random.Random(0)
+    words = ["".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(2, 8))) for _ in range(500)]
+    path.write_text("\n".join(" ".join(rng.choices(words, k=60)) for _ in range(400)))
+
+
+def _take_turns(trainers: dict, reference, tick, rounds: int, steps: int) -> dict[object, list[float]]:
+    """Each Trainer (and the reference) runs `steps` timed steps a turn, all in turn, `rounds` times after
+    a turn of warm-up, so the machine's drift falls on all alike; the Trainers are closed after."""
+    from megascale.observe import timers
+
+    times: dict[object, list[float]] = {k: [] for k in (*trainers, "ref")}
+    runs = {"ref": reference, **{k: t.train_step for k, t in trainers.items()}}
+    for turn in range(rounds + 1):
+        for key, run in runs.items():
+            if key != "ref":  # its own timers, as it would run alone
+                timers.install(trainers[key].observer.recorder)
+            for _ in range(steps):
+                t0 = tick()
+                run()
+                if turn:
+                    times[key].append(tick() - t0)
+    for trainer in trainers.values():
+        timers.install(trainer.observer.recorder)
+        trainer.close()
+    return times
 
 
 if __name__ == "__main__":
