@@ -88,6 +88,6 @@ print(f"generate sliding window=256: {out.shape[1] - 1} tokens in {time.perf_cou
 PY
 part tp2 60 "$PY" -m megascale train --nproc 2 --config configs/bench_gpt_19m.toml parallel.tp=2 train.steps=10 \
     train.dtype=bf16 checkpoint.resume=false "train.run_dir=$OUT/tp2"
-part plan 90 bash -c "'$PY' -m megascale plan --cluster h200 --calibrate && \
+part plan 120 bash -c "'$PY' -m megascale plan --cluster h200 --calibrate && \
     '$PY' -m megascale plan --config configs/gpu_gpt_1_3b.toml --cluster h200 --gpus 1 --settings config"
 echo "gpu.sh: logs in $OUT"

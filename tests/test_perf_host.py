@@ -158,3 +158,31 @@ def test_plan_calibrate_stores_and_prints_the_framework_terms(tmp_path, monkeypa
     assert not apply_calibration(bare).calibrated  # nothing left in the default place
     mine = apply_calibration(bare, moved)
     assert mine.calibrated and mine.gemm.in_place_factor_tp == stored["gemm"]["in_place_factor_tp"]
+
+
+def test_calibration_keeps_the_kernels_curve_when_the_host_measurement_fails(tmp_path, monkeypatch, capsys):
+    """A Trainer that cannot run here (a device's quirk, a missing backend) costs the host terms, not the
+    GEMM curve the calibration exists for: one line on stderr, terms 0, the error kept in the file."""
+    import json
+
+    from megascale.perf import calibrate, hardware
+
+    def kernels_measured(*_a, **_k):
+        points = [{"m": m, "n": n, "k": k, "seconds": 1e-5 + 2 * m * n * k / 5e10}
+                  for m, n, k in calibrate.SHAPES]
+        return {"points": points, "overhead_s": 1e-5, "memory_bw": 2e10, "gelu_fwd_s": 0.0, "gelu_bwd_s": 0.0,
+                "silu_fwd_s": 0.0, "silu_bwd_s": 0.0,
+                "attention": {"b": 8, "h": 4, "s": 256, "d": 64, "seconds": 1e-2}}
+
+    def broken(*_a, **_k):
+        raise RuntimeError("measuring the framework's host work at tp 2 failed (exit 1)")
+
+    monkeypatch.setattr(hardware, "measure_cpu_peak", lambda *a, **k: 1e11)
+    monkeypatch.setattr(calibrate, "measure", kernels_measured)
+    monkeypatch.setattr(host, "measure", broken)
+    out = calibrate.calibrate(load_preset("cpu", use_calibration=False), out=tmp_path / "cpu.json")
+    assert "host work was not measured" in capsys.readouterr().err
+    stored = json.loads((tmp_path / "cpu.json").read_text())
+    assert stored["gemm"]["max_efficiency"] == out["gemm"]["max_efficiency"] > 0
+    assert all(stored["gemm"][t] == 0.0 for t in host.TERMS)
+    assert "tp 2 failed" in stored["host_times"]["error"]
