@@ -56,6 +56,8 @@ class LayerCost:
     bwd_tp_exposed: float
     tp_comm: float  # all TP communication (fwd + bwd), overlapped or not
     fwd_flops: float  # GEMM FLOPs of the forward on this rank
+    # the kernels the in-place factor scales (all but the projections' GEMMs), fwd + bwd, as timed alone
+    in_place_base: float = 0.0
 
 
 def layer_gemms(
@@ -177,7 +179,7 @@ def layer_cost(
     c = dev.curve
     fwd += act_elems * (c.silu_fwd_s if cfg.style == "llama" else c.gelu_fwd_s) / dev.share
     bwd += act_elems * (c.silu_bwd_s if cfg.style == "llama" else c.gelu_bwd_s) / dev.share
-    fwd_exp = bwd_exp = fwd_comm = bwd_comm = 0.0
+    fwd_exp = bwd_exp = fwd_comm = bwd_comm = gemm_fwd = gemm_bwd = 0.0
     act_bytes = tokens * cfg.d_model * bpe  # one full activation of the layer
     for i, group in enumerate(groups):
         core = i == 1  # the attention core: one fused kernel  # the attention core runs as one fused kernel
@@ -185,6 +187,8 @@ def layer_cost(
         gb = sum(bwd_t(g, core) for g in group)
         fwd += gf
         bwd += gb
+        if i != 1:
+            gemm_fwd, gemm_bwd = gemm_fwd + gf, gemm_bwd + gb
         if tp == 1 or tp_link is None or i == 1:  # i == 1: the attention core needs no TP collective
             continue
         if sp:
@@ -203,18 +207,21 @@ def layer_cost(
             fwd_exp += cf
             bwd_exp += cb
     fwd_flops = sum(g.flops for group in groups for g in group)
-    # the framework's own work per layer and micro-batch (perf/host.py), before the exposed collectives:
-    # the modules' and autograd's, and the tensor-parallel functions' around each collective call; and
-    # the layer's kernels as they run in place (between others, in autograd's buffers), not alone
+    # The layer's kernels as they run in place, not alone (perf/host.py): the projections' GEMMs as
+    # calibrated (within 3% inside a layer); the rest (attention, whose CPU backward is ~2.7x its
+    # forward, not 2x; the memory-bound kernels among others' data, in autograd's fresh buffers) by
+    # the measured factor. Then the framework's own work per layer and micro-batch, before the exposed
+    # collectives: the modules' and autograd's, the tensor-parallel functions' around each call.
+    base = fwd + bwd - gemm_fwd - gemm_bwd
+    extra = (dev.curve.in_place_factor if tp == 1 else dev.curve.in_place_factor_tp) - 1.0
     tp_host = tp_calls_per_layer(tp, parallel_block, sp, tp_overlap) * dev.curve.host_tp_call_s
-    in_place = dev.curve.in_place_factor if tp == 1 else dev.curve.in_place_factor_tp
-    fwd = dev.with_host(in_place * fwd, dev.curve.host_layer_fwd_s + tp_host)
-    bwd = dev.with_host(in_place * bwd, dev.curve.host_layer_bwd_s + tp_host)
+    fwd = dev.with_host(fwd + extra * (fwd - gemm_fwd), dev.curve.host_layer_fwd_s + tp_host)
+    bwd = dev.with_host(bwd + extra * (bwd - gemm_bwd), dev.curve.host_layer_bwd_s + tp_host)
     if recompute:  # the backward first reruns the forward, collectives included
         bwd += fwd
         bwd_exp += fwd_exp
         bwd_comm += fwd_comm
-    return LayerCost(fwd + fwd_exp, bwd + bwd_exp, fwd_exp, bwd_exp, fwd_comm + bwd_comm, fwd_flops)
+    return LayerCost(fwd + fwd_exp, bwd + bwd_exp, fwd_exp, bwd_exp, fwd_comm + bwd_comm, fwd_flops, base)
 
 
 def head_cost(cfg: ModelConfig, dev: DeviceModel, micro_batch: int, tp: int) -> tuple[float, float]:

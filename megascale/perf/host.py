@@ -20,16 +20,19 @@ schedule), H a layer's per micro-batch. tp 2's H and B less tp 1's are what the 
 adds: per collective call in a layer (`host_tp_call_s`, the calls as perf/compute.py counts them) and
 per micro-batch around the layers (the vocab-parallel loss: `host_tp_microbatch_s`). At a typical
 small layer (WIDE: d_model 256, 4 heads of 64, seq 128), 1 and 3 layers, what a layer costs beyond
-its kernel model and H is the in-place factor, at tp 1 and at tp 2 (SP's layout copies included).
+its kernel model and H is the in-place factor, at tp 1 and at tp 2 (SP's layout copies included). It
+scales the layer's kernels but its projections' GEMMs, which run within 3% of their calibrated time in
+a layer: attention (its CPU backward is ~2.7x its forward, not 2x) and the memory-bound kernels.
 A reference timed between the turns (a WIDE layer's GEMMs alone) scales every time to the speed the
 kernel model was calibrated at, so the machine's drift in between drops out. On a GPU the factors stay
 1: a WIDE step there is launch-bound, and its excess over the kernels is host work, already counted.
 
-Measured on this 2-core VM (three runs): H 0.17-0.19 ms, B 0.19-0.25 ms, S 0.85-1.14 ms, P 0.06-0.25
-ms, 0.03-0.04 ms per tp call, 0.27-0.46 ms per micro-batch for the vocab-parallel loss, in-place
-factors 1.06-1.11 (tp 1) and 1.17-1.22 (tp 2). The block timed alone in a loop (session 20's way) saw
-only about half of that host work and none of the per-step, tp-path or in-place costs: the planner's
-compute was 5-20% under what the ranks of benchmarks/overlap.py spent with their collectives no-ops.
+Measured on this 2-core VM (three runs): H 0.17-0.19 ms, B 0.19-0.26 ms, S 0.82-1.14 ms, P 0.06-0.47
+ms, 0.03-0.07 ms per tp call, 0.17-0.46 ms per micro-batch for the vocab-parallel loss, in-place
+factors 1.38-1.56 (tp 1) and 2.04-2.38 (tp 2) on the kernels they scale. The block timed alone in a
+loop (session 20's way) saw only about half of that host work and none of the per-step, tp-path or
+in-place costs: the planner's compute was 5-20% under what the ranks of benchmarks/overlap.py spent
+with their collectives no-ops.
 
 The tp 2 runs are one process in a world of two whose collectives return at once and move nothing
 (torch.distributed's "fake" backend, from its test utilities; where it is missing, the tp terms are
@@ -118,7 +121,7 @@ def fit(dev: DeviceModel, tp: int, times: dict) -> dict[str, float]:
     excess = ((wide[wl1] - wide[wl0]) / (wl1 - wl0) - P) / wm - H  # per layer and micro-batch
     layer = compute.layer_cost(ModelConfig(**WIDE, n_layers=1), dev, MICRO_BATCH, tp, tp > 1, None,
                                False, False, False)
-    f = max(1.0, 1.0 + excess / (layer.fwd + layer.bwd))
+    f = max(1.0, 1.0 + excess / layer.in_place_base)
     return {"S": S, "P": P, "B": B, "H": H, "f": f, "speed": speed}
 
 

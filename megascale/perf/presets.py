@@ -78,8 +78,9 @@ class GemmCurve:
     host_tp_microbatch_s: float = 0.0  # what tp > 1 adds per micro-batch outside the layers
     host_step_s: float = 0.0  # per step: the loader, the timers, the optimizer's set-up
     host_layer_step_s: float = 0.0  # per step and layer a rank holds: optimizer, clipping, zeroing
-    # A layer's kernels in the Trainer against the kernel model's (each kernel timed alone), measured at a
-    # typical small layer (perf/host.py), at tp 1 and under tp > 1 (with SP's layout copies)
+    # A layer's kernels but its projections' GEMMs (attention, memory-bound kernels) in the Trainer against
+    # the kernel model's, each timed alone; measured at a typical small layer (perf/host.py), at tp 1 and
+    # under tp > 1 (with SP's layout copies)
     in_place_factor: float = 1.0
     in_place_factor_tp: float = 1.0
 
