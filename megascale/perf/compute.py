@@ -182,14 +182,14 @@ def layer_cost(
     fwd_exp = bwd_exp = fwd_comm = bwd_comm = gemm_fwd = gemm_bwd = 0.0
     act_bytes = tokens * cfg.d_model * bpe  # one full activation of the layer
     for i, group in enumerate(groups):
-        core = i == 1  # the attention core: one fused kernel  # the attention core runs as one fused kernel
+        core = i == 1  # the attention core runs as one fused kernel
         gf = sum(fwd_t(g, core) for g in group)
         gb = sum(bwd_t(g, core) for g in group)
         fwd += gf
         bwd += gb
-        if i != 1:
+        if not core:  # the projections: what the in-place factor leaves as calibrated
             gemm_fwd, gemm_bwd = gemm_fwd + gf, gemm_bwd + gb
-        if tp == 1 or tp_link is None or i == 1:  # i == 1: the attention core needs no TP collective
+        if tp == 1 or tp_link is None or core:  # the attention core needs no TP collective
             continue
         if sp:
             c = collectives.all_gather(act_bytes, tp, tp_link)  # = reduce-scatter's cost
