@@ -14,8 +14,11 @@ import contextlib
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from _dist import WorkerPool, one_thread_fixture, pools_fixture  # noqa: F401 (fixtures)
 from _parity import SyntheticSamples
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from megascale.config import Config
 from megascale.data.loader import BatchLoader
@@ -104,3 +107,63 @@ def test_overlap_moves_collectives_not_results(pools, name):
         if tied:  # the tied copy's own bucket waits for the cross-stage sum, after backward
             assert all(deferred_last), deferred_last
             assert all(e < n_buckets for e in early_on)
+
+
+class _ReadsOnlyGathered(TorchFunctionMode):
+    """Fails any torch call that gets a parameter whose bucket the hooks have not waited for."""
+
+    def __init__(self, bucket_of: dict[int, int], ready: set[int]):
+        super().__init__()
+        self.bucket_of, self.ready, self.reads = bucket_of, ready, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for a in pytree.tree_leaves((args, kwargs or {})):
+            if isinstance(a, nn.Parameter):
+                self.reads += 1
+                assert self.bucket_of[id(a)] in self.ready, f"{func} read a parameter before its gather"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model", [
+    {}, {"fused_ops": True}, {"block": "parallel"}, {"recompute": True, "fused_ops": True},
+    {"style": "llama", "bias": False, "tie_embeddings": False, "fused_ops": True},
+])
+def test_each_module_waits_for_the_parameters_it_reads(model, monkeypatch):
+    """The forward pre-hooks of overlap_param_gather wait per module, for the parameters it owns
+    (plus its subtree's where a fused op reads a child's weight): every parameter a torch op gets
+    in forward and backward has been waited for, each in a bucket of its own here, and the first
+    layer's later weights are still not waited for when its first weight is read."""
+    from megascale.model.gpt import GPT
+    from megascale.parallel.data.optimizer import _wait_before_use
+
+    # the fused ops' eager twins: torch.compile cannot trace under a TorchFunctionMode, and a failed
+    # compile would leave the op eager for the rest of this process
+    monkeypatch.setenv("MEGASCALE_FUSED_CPU", "eager")
+    cfg = config(1, 1, 1, True, model).model
+    gpt = GPT(cfg)
+    params = list(gpt.parameters())
+    bucket_of = {id(p): i for i, p in enumerate(params)}
+    ready: set[int] = set()
+    waits: list[set[int]] = []
+
+    class Buffers:
+        def bucket_index(self, p):
+            return bucket_of[id(p)]
+
+    def wait(owned: set[int]) -> None:
+        waits.append(set(owned))
+        ready.update(owned)
+
+    _wait_before_use(gpt, Buffers(), wait)
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    mode = _ReadsOnlyGathered(bucket_of, ready)
+    with mode:
+        loss = gpt(x, x)
+        loss.backward()
+    assert mode.reads > 0 and ready == set(bucket_of.values())
+    first = gpt.blocks[0]
+    # no wait takes a whole block: the first block's MLP is waited for after its attention's qkv
+    qkv = bucket_of[id(first.attn.qkv.weight)]
+    mlp = {bucket_of[id(p)] for p in first.mlp.parameters()}
+    at_qkv = next(i for i, w in enumerate(waits) if qkv in w)
+    assert not mlp & set().union(*waits[:at_qkv + 1])

@@ -34,6 +34,8 @@ class Block(nn.Module):
         super().__init__()
         self.parallel = cfg.block == "parallel"
         self.fused = cfg.fused_ops
+        # add_norm reads norm2's weights without calling it: DP's parameter gather waits for them here
+        self.reads_child_weights = ("norm2",) if cfg.fused_ops else ()
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg, factory, rotary)
         self.norm2 = make_norm(cfg)

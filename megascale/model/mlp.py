@@ -26,6 +26,8 @@ class GeluMLP(nn.Module):
         # skip_bias_add; ops/activations.py). Tensor parallelism then brings the input in at the
         # MLP's entry instead of inside fc_in (tensor.apply.gather_before_mlp); same parameters.
         self.fused_bias_gelu = cfg.fused_ops
+        # read outside their own call: DP's parameter gather waits for them here (data/optimizer.py)
+        self.reads_child_weights = ("fc_in",) if cfg.fused_ops else ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_bias_gelu:
