@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megascale.distributed import direct
 from megascale.distributed.sockets import _HEADER, _HELLO, SocketTransport, TransportError
 from tests._dist import WorkerPool
 
@@ -191,45 +192,53 @@ def test_the_mesh_routes_its_groups_by_parallel_transport(pool):
         assert ours == theirs == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
 
 
+def _inputs(rank: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    # 7 elements: not a multiple of 3 (padded); a transposed view (not contiguous); past the size of
+    # one exchange (a reduce-scatter and an all-gather, padded); int64
+    return [torch.randn(7, dtype=torch.float64, generator=gen),
+            torch.randn(4, 6, dtype=torch.float64, generator=gen).t(),
+            torch.randn(direct.ONE_EXCHANGE_BYTES // 8 + 1, dtype=torch.float64, generator=gen),
+            torch.arange(5, dtype=torch.int64) * (rank + 1)]
+
+
 def _all_reduce(rank: int):
     from megascale.config import ParallelConfig
-    from megascale.distributed import direct
     from megascale.parallel.mesh import Mesh
 
     ours = Mesh.build(ParallelConfig(dp=3))
     theirs = Mesh.build(ParallelConfig(dp=3, transport="gloo"))
-    calls = []
-    real = direct.all_reduce
+    calls, scatters = [], []
+    real, real_scatter = direct.all_reduce, direct.start_reduce_scatter
     direct.all_reduce = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    direct.start_reduce_scatter = lambda *a, **k: (scatters.append(1), real_scatter(*a, **k))[1]
     try:
         got = []
         for mesh in (ours, theirs):
-            gen = torch.Generator().manual_seed(rank)
-            # 7 elements: not a multiple of 3 (padded); a transposed view (not contiguous); int64
-            tensors = [torch.randn(7, dtype=torch.float64, generator=gen),
-                       torch.randn(4, 6, dtype=torch.float64, generator=gen).t(),
-                       torch.arange(5, dtype=torch.int64) * (rank + 1)]
+            tensors = _inputs(rank)
             for t in tensors:
                 mesh.all_reduce(t, mesh.dp_group)
-            got.append(tensors)
+            peak = _inputs(rank)[0]
+            mesh.all_reduce(peak, mesh.dp_group, op="max")
+            got.append([*tensors, peak])
     finally:
-        direct.all_reduce = real
-    return len(calls), got
+        direct.all_reduce, direct.start_reduce_scatter = real, real_scatter
+    return len(calls), len(scatters), got
 
 
 def test_an_all_reduce_over_the_transport_sums_as_gloo_does_and_alike_on_every_rank(pool):
+    """Small sums in one exchange, a large one as a reduce-scatter and an all-gather, and a max."""
     results = pool.run(_all_reduce)
-    want = []
-    for rank in range(3):
-        gen = torch.Generator().manual_seed(rank)
-        want.append([torch.randn(7, dtype=torch.float64, generator=gen),
-                     torch.randn(4, 6, dtype=torch.float64, generator=gen).t()])
-    for calls, (ours, theirs) in results:
-        assert calls == 3  # the routed mesh's three went over the transport, the gloo mesh's not
-        for i in range(2):
+    want = [_inputs(rank) for rank in range(3)]
+    for calls, scatters, (ours, theirs) in results:
+        assert calls == 5  # the routed mesh's five went over the transport, the gloo mesh's not
+        assert scatters == 1  # the large one only
+        for i in range(3):
             assert ours[i].shape == want[0][i].shape
             torch.testing.assert_close(ours[i], want[0][i] + want[1][i] + want[2][i], rtol=1e-15, atol=1e-15)
             torch.testing.assert_close(ours[i], theirs[i], rtol=1e-15, atol=1e-15)
-        assert ours[2].tolist() == [0, 6, 12, 18, 24]
-    for i in range(3):  # every rank has the same bits
-        assert all(torch.equal(r[1][0][i], results[0][1][0][i]) for r in results)
+        assert ours[3].tolist() == [0, 6, 12, 18, 24]
+        assert torch.equal(ours[4], torch.stack([w[0] for w in want]).amax(0))
+        assert torch.equal(ours[4], theirs[4])
+    for i in range(5):  # every rank has the same bits
+        assert all(torch.equal(r[2][0][i], results[0][2][0][i]) for r in results)

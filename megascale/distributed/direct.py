@@ -74,18 +74,42 @@ def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
     return Exchange(out, [], works, (inp, out), p2p.p2p_timeout(group))
 
 
-def all_reduce(t: Tensor, group, tag: int = 0) -> None:
-    """Sum `t` over `group` in place: a direct reduce-scatter, then a direct all-gather of the sums,
-    2 (n - 1) / n of it each way (a ring's volume) in 2 (n - 1) messages per rank.
+# Up to this size a sum over more than 2 ranks goes in one exchange (every rank's whole tensor to every
+# peer) instead of a reduce-scatter and an all-gather: half the round trips, for a few more bytes.
+ONE_EXCHANGE_BYTES = 64 * 1024
 
-    For the groups our transport carries (p2p.routed): there four messages of a 2-rank all-reduce
-    cost a fraction of gloo's own all-reduce, whose small messages take ~28 futex calls and 0.5 ms of
-    CPU each (benchmarks/transport.py). Every rank gets the same bits: each chunk is summed once, by
-    the rank that owns it (own chunk, then the peers' in rank order), and copied to the others."""
+
+def all_reduce(t: Tensor, group, tag: int = 0, op: str = "sum") -> None:
+    """Sum (or, op="max", take the maximum of) `t` over `group` in place, by direct messages.
+
+    Small tensors and pairs go in ONE exchange, an all-gather of every rank's whole tensor, which
+    each rank then reduces itself, in rank order: one round trip where a reduce-scatter and an
+    all-gather take two. The sums a step waits for are small and latency-bound (the vocab-parallel
+    loss's per-token sums, the grad norm: ~1 ms a round trip on the simulated 1 Gbit/s links), and
+    between two ranks it moves the same bytes as the pair of collectives. Larger tensors over more
+    ranks go as a direct reduce-scatter and all-gather of the sums, 2 (n - 1) / n of it each way (a
+    ring's volume) in 2 (n - 1) messages per rank. Either way every rank gets the same bits: in
+    the first each rank reduces the same rows in the same order; in the second each chunk is summed
+    once, by the rank that owns it (own chunk, then the peers' in rank order), and copied to the others.
+
+    For the groups our transport carries (p2p.routed): there these messages cost a fraction of
+    gloo's own all-reduce, whose small messages take ~28 futex calls and 0.5 ms of CPU each
+    (benchmarks/transport.py)."""
+    if op not in ("sum", "max"):
+        raise ValueError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
     n = dist.get_world_size(group)
     if n == 1:
         return
     flat = t.reshape(-1)  # a view of t where t is contiguous, a copy otherwise
+    if op == "max" or n == 2 or flat.numel() * flat.element_size() <= ONE_EXCHANGE_BYTES:
+        rows = flat.new_empty((n, flat.numel()))
+        start_all_gather(rows, flat, group, tag).wait()
+        reduce = torch.maximum if op == "max" else torch.add
+        out = rows[0]
+        for r in range(1, n):  # rank order, on every rank: the same bits everywhere
+            out = reduce(out, rows[r], out=out)
+        t.copy_(out.view(t.shape))
+        return
     pad = -flat.numel() % n
     buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
     chunk = buf.numel() // n

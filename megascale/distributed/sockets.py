@@ -13,10 +13,11 @@ gloo took 1.3-3.7x our wall time and 1.1-3.8x our CPU for a direct all-gather of
 
 What it carries: the exchanges that are point-to-point underneath, the direct reduce-scatters
 and all-gathers of DP and TP/SP (distributed/direct.py) and the pipeline's activations and
-gradients, and the sums over a mesh's groups (`Mesh.all_reduce`: TP without SP, the tp gradient
-syncs, the vocab-parallel loss, the grad norm), as a direct reduce-scatter and all-gather
-(`direct.all_reduce`, 1.8-4x faster than gloo's all-reduce at 4 KiB - 1 MiB in one run). The rest
-(a MAX all-reduce, barriers, broadcasts, the world group's step-end all-reduce) stays on gloo:
+gradients, and the sums and maxima over a mesh's groups (`Mesh.all_reduce`: TP without SP, the tp
+gradient syncs, the vocab-parallel loss, the grad norm, LAMB's norms, the tied embedding's gradient),
+in one exchange where they are small or between two ranks, else as a direct reduce-scatter and
+all-gather (`direct.all_reduce`; the latter 1.8-4x faster than gloo's all-reduce at 4 KiB - 1 MiB in
+one run). The rest (barriers, broadcasts, the world group's step-end all-reduce) stays on gloo:
 `p2p.py` routes a group's sends and receives here once `Mesh.build` has registered it.
 
 Design.

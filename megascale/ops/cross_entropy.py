@@ -38,7 +38,6 @@ already, and the per-chunk logsumexp is a single kernel.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -91,10 +90,10 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
         if mesh is not None and mesh.tp > 1:
             peak = lse.clone()
             with timers.comm("all_reduce", "tp", "tp"):
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mesh.tp_group)
+                mesh.all_reduce(peak, mesh.tp_group, op="max")
             sums = torch.stack(((lse - peak).exp(), target_logit))
             with timers.comm("all_reduce", "tp", "tp"):
-                dist.all_reduce(sums, group=mesh.tp_group)
+                mesh.all_reduce(sums, mesh.tp_group)
             lse, target_logit = peak + sums[0].log(), sums[1]
         count = valid.sum()
         if mesh is not None:

@@ -126,13 +126,13 @@ class Mesh:
             p2p.use_sockets(mesh.groups())
         return mesh
 
-    def all_reduce(self, t: Tensor, group: dist.ProcessGroup | None) -> None:
-        """Sum t over one of this mesh's groups, in place: by direct messages where our transport
-        carries the group (distributed/direct.py all_reduce), else the backend's all-reduce."""
+    def all_reduce(self, t: Tensor, group: dist.ProcessGroup | None, op: str = "sum") -> None:
+        """Sum (op="max": the maximum of) t over one of this mesh's groups, in place: by direct messages
+        where our transport carries the group (distributed/direct.py all_reduce), else the backend's."""
         if self.direct_collectives and p2p.routed(group):
-            direct.all_reduce(t, group)
+            direct.all_reduce(t, group, op=op)
         else:
-            dist.all_reduce(t, group=group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
 
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """This rank's groups, in creation order (None where there is none)."""

@@ -109,12 +109,12 @@ class DistributedOptimizer:
         def reduce(sq: Tensor) -> Tensor:
             if mesh.dp > 1:
                 with timers.comm("all_reduce", "dp", "dp"):
-                    dist.all_reduce(sq, group=mesh.dp_group)
+                    mesh.all_reduce(sq, mesh.dp_group)
             if mesh.tp > 1:
                 mask = torch.tensor(split, device=sq.device)
                 pieces = sq * mask
                 with timers.comm("all_reduce", "tp", "tp"):
-                    dist.all_reduce(pieces, group=mesh.tp_group)
+                    mesh.all_reduce(pieces, mesh.tp_group)
                 sq = torch.where(mask, pieces, sq)
             return sq
 
@@ -129,10 +129,10 @@ class DistributedOptimizer:
             total = (sq * counted.to(sq.device)).sum()
             if mesh.dp > 1:  # the global grad norm: over the shards, then over the model-parallel ranks
                 with timers.comm("all_reduce", "dp", "dp"):
-                    dist.all_reduce(total, group=mesh.dp_group)
+                    mesh.all_reduce(total, mesh.dp_group)
             if mesh.mp_group is not None:
                 with timers.comm("all_reduce", "tp", "mp"):
-                    dist.all_reduce(total, group=mesh.mp_group)
+                    mesh.all_reduce(total, mesh.mp_group)
             return total
 
         return reduce
@@ -169,7 +169,7 @@ class DistributedOptimizer:
             if grads:
                 flat = torch.cat(grads)
                 with timers.comm("all_reduce", "tp", "tp", nbytes=flat.numel() * flat.element_size()):
-                    dist.all_reduce(flat, group=self.mesh.tp_group)
+                    self.mesh.all_reduce(flat, self.mesh.tp_group)
                 torch._foreach_copy_(grads, list(flat.split([g.numel() for g in grads])))
 
     def clip_grad_norm_(self, max_norm: float) -> Tensor:

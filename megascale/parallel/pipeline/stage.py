@@ -202,7 +202,7 @@ class PipelineStage(nn.Module):
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
             with timers.comm("all_reduce", "pp", "emb", nbytes=w.grad.numel() * w.grad.element_size()):
-                dist.all_reduce(w.grad, group=self.embedding_group)
+                self.mesh.all_reduce(w.grad, self.embedding_group)
 
     def norm_duplicates(self) -> list[Tensor]:
         """Parameters a global grad norm must not count: the head's copy of a tied matrix."""

@@ -16,7 +16,6 @@ through the collectives).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megascale.observe import timers
@@ -37,7 +36,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         maxes = logits.max(dim=-1).values
         if mesh.tp > 1:
             with timers.comm("all_reduce", "tp", "tp"):
-                dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=mesh.tp_group)
+                mesh.all_reduce(maxes, mesh.tp_group, op="max")
         logits -= maxes.unsqueeze(-1)
 
         valid = target != ignore_index
