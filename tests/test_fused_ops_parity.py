@@ -178,3 +178,59 @@ def test_vocab_parallel_chunked_equals_vocab_parallel(pools, chunk):
         torch.testing.assert_close(fused[0], serial, rtol=1e-12, atol=0)
         for got, want in zip(fused, unfused, strict=True):  # the loss, dh (this rank's partial), dW
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def all_padding_case(rank: int):
+    """tp 3 over a vocab of 4: 2 columns a rank, so rank 2 holds padding only."""
+    from megascale.config import ParallelConfig
+    from megascale.parallel import Mesh
+
+    mesh = Mesh.build(ParallelConfig(tp=3))
+    exchanges, real = [], {name: getattr(Mesh, name) for name in ("all_gather", "all_reduce")}
+    for name, fn in real.items():  # counted on the class (a Mesh is frozen)
+        setattr(Mesh, name, lambda *a, _fn=fn, _name=name, **k: (exchanges.append(_name), _fn(*a, **k))[1])
+    try:
+        return _padding_losses(rank, mesh, exchanges)
+    finally:
+        for name, fn in real.items():
+            setattr(Mesh, name, fn)
+
+
+def _padding_losses(rank: int, mesh, exchanges: list[str]):
+    from megascale.ops.cross_entropy import vocab_parallel_chunked_cross_entropy
+    from megascale.parallel import vocab_parallel_cross_entropy
+
+    n, d, vocab = 9, 5, 4
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w_full = torch.randn(vocab, d, generator=g, dtype=torch.float64)
+    target = torch.randint(0, vocab, (n,), generator=g)
+    target[2] = -1
+    w = torch.cat([w_full, torch.zeros(2, d, dtype=torch.float64)])[rank * 2:(rank + 1) * 2].clone()
+    out = []
+    for fused in (True, False):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if fused:
+            loss = vocab_parallel_chunked_cross_entropy(hh, ww, target, mesh, vocab, chunk=4)
+        else:
+            loss = vocab_parallel_cross_entropy(F.linear(hh, ww), target, mesh, vocab)
+        loss.backward()
+        out.append((loss.detach(), ww.grad))
+    hs = h.clone().requires_grad_()
+    ws = w_full.clone().requires_grad_()
+    serial = F.cross_entropy(hs @ ws.T, target, ignore_index=-1)
+    serial.backward()
+    want_grad = torch.cat([ws.grad, torch.zeros(2, d, dtype=torch.float64)])[rank * 2:(rank + 1) * 2]
+    return out, serial.detach(), want_grad, exchanges
+
+
+def test_vocab_parallel_losses_take_one_exchange_and_a_rank_of_padding_only(pools):
+    """The whole vocab's logsumexp and target logit in one exchange per loss (Megatron-LM: three
+    all-reduces), and a rank whose columns are all padding adds nothing and gets zero gradients."""
+    for rank, (out, serial, want_grad, exchanges) in enumerate(pools(3).run(all_padding_case)):
+        assert exchanges == ["all_gather", "all_gather"]  # one per loss, fused and unfused
+        for loss, grad in out:
+            torch.testing.assert_close(loss, serial, rtol=1e-12, atol=0)
+            torch.testing.assert_close(grad, want_grad, rtol=1e-12, atol=1e-14)
+            if rank == 2:
+                assert torch.equal(grad, torch.zeros_like(grad))

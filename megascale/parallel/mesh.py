@@ -134,6 +134,17 @@ class Mesh:
         else:
             dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
 
+    def all_gather(self, t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        """Every rank's t over one of this mesh's groups, stacked in group rank order: (n, *t.shape).
+        By direct messages where our transport carries the group, else the backend's all-gather."""
+        n = dist.get_world_size(group)
+        rows, flat = t.new_empty((n, *t.shape)), t.reshape(-1).contiguous()
+        if self.direct_collectives and p2p.routed(group):
+            direct.start_all_gather(rows, flat, group).wait()
+        else:
+            dist.all_gather_into_tensor(rows.view(-1), flat, group=group)
+        return rows
+
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
         """This rank's groups, in creation order (None where there is none)."""
         return self.tp_group, self.pp_group, self.dp_group, self.mp_group, self.emb_group, self.pp_bwd_group

@@ -1,9 +1,10 @@
 """Cross-entropy over vocab-parallel logits, without ever gathering them (Megatron-LM).
 
-Each tp rank holds logits for vocab ids [start, start + V_local). The softmax needs three
-numbers per token that are sums or maxima over the whole vocab, and only those cross the
-wire: the max (for stability), then sum(exp) and the target's logit together in one
-all-reduce. Memory and traffic per rank are O(tokens * V/tp), not O(tokens * V).
+Each tp rank holds logits for vocab ids [start, start + V_local). The softmax needs two
+numbers per token over the whole vocab, its logsumexp and the target's logit, and only
+each rank's own share of those crosses the wire, in one exchange (ops/cross_entropy.py
+combine_vocab_parts; Megatron-LM takes three all-reduces). Memory and traffic per rank are
+O(tokens * V/tp), not O(tokens * V).
 
 The vocab is padded up to a multiple of tp; the padded columns are set to -inf before the
 softmax, so they get probability 0 and gradient 0 and the loss equals the unpadded one.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megascale.observe import timers
+from megascale.ops.cross_entropy import combine_vocab_parts
 from megascale.parallel.mesh import Mesh
 
 
@@ -33,28 +34,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if start + n_local > vocab_size:  # this rank holds padding: out of the softmax
             logits[:, max(0, vocab_size - start) :] = float("-inf")
 
-        maxes = logits.max(dim=-1).values
-        if mesh.tp > 1:
-            with timers.comm("all_reduce", "tp", "tp"):
-                mesh.all_reduce(maxes, mesh.tp_group, op="max")
-        logits -= maxes.unsqueeze(-1)
-
         valid = target != ignore_index
         local = target - start
         mine = valid & (local >= 0) & (local < n_local)
         local = local.masked_fill(~mine, 0)
         target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
 
-        probs = logits.exp_()  # logits is our own copy: exp in place, kept for the backward
-        sums = torch.stack((probs.sum(dim=-1), target_logit))
+        maxes = logits.max(dim=-1).values  # this rank's columns only (all padding: -inf, shifted by 0)
+        maxes = torch.where(torch.isfinite(maxes), maxes, torch.zeros_like(maxes))
+        probs = logits.sub_(maxes.unsqueeze(-1)).exp_()  # our own copy: in place, kept for the backward
+        lse = probs.sum(dim=-1).log_().add_(maxes)  # over this rank's columns
         if mesh.tp > 1:
-            with timers.comm("all_reduce", "tp", "tp"):
-                mesh.all_reduce(sums, mesh.tp_group)
-        sum_exp, target_logit = sums
-        probs /= sum_exp.unsqueeze(-1)
+            lse, target_logit = combine_vocab_parts(mesh, lse, target_logit)
+        probs *= (maxes - lse).exp_().unsqueeze(-1)  # exp(logits - lse): the whole vocab's softmax
 
         count = valid.sum().clamp(min=1)
-        loss = ((sum_exp.log() - target_logit) * valid).sum() / count
+        loss = ((lse - target_logit) * valid).sum() / count
         ctx.save_for_backward(probs, local, mine, valid, count)
         return loss
 
