@@ -245,11 +245,13 @@ def test_ranks_sharing_cores_are_bounded_by_their_compute_and_messages_cpu():
     busy = predict(cfg, lay, _shared_node(1e-3, 1e-9), MEGATRON, global_batch=batch, explain=True)
     # by hand (the sequential block): each of the 2 ranks' compute at the whole node's speed plus
     # its collectives' CPU (per layer and micro-batch 4 all-gathers / reduce-scatters of a full
-    # activation, forward and backward: 8 ring steps of one message and half the bytes; one 8-byte
-    # all-reduce, 2 steps, for the grad norm)
+    # activation, forward and backward: 8 ring steps of one message and half the bytes; per micro-batch
+    # the loss's all-gather of 2 fp32 numbers per token and rank; one 8-byte all-reduce, 2 steps, for
+    # the grad norm)
     act = 2 * cfg.seq_len * cfg.d_model * 4
     per_layer = 8 * (1e-3 + act / 2 * 1e-9)
-    comm = per_layer * cfg.n_layers * free.micro_batches + 2 * (1e-3 + 8 / 2 * 1e-9)
+    loss = 1e-3 + 2 * 2 * cfg.seq_len * 2 * 4 / 2 * 1e-9
+    comm = (per_layer * cfg.n_layers + loss) * free.micro_batches + 2 * (1e-3 + 8 / 2 * 1e-9)
     compute = (free.breakdown.compute + free.breakdown.optimizer) / 2  # the timeline gives each half
     assert busy.step_time == pytest.approx(2 * (compute + comm))
     assert busy.cpu_seconds == pytest.approx({"compute": compute, "comm": comm}) and free.cpu_seconds is None

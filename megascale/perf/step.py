@@ -163,7 +163,11 @@ def _parts(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m
     hf, hb = compute.head_cost(cfg, dev, lay.micro_batch, lay.tp)
     fwd[0] += ef
     bwd[0] += eb
-    fwd[-1] += hf
+    # the vocab-parallel loss's one exchange per micro-batch (ops/cross_entropy.combine_vocab_parts): every
+    # tp rank's fp32 logsumexp and target logit per token, waited for at once, on the last stage
+    loss_bytes = lay.tp * lay.micro_batch * cfg.seq_len * 2 * max(4, bpe)
+    loss_tp = collectives.all_gather(loss_bytes, lay.tp, tp_link)
+    fwd[-1] += hf + loss_tp
     bwd[-1] += hb
 
     act = lay.micro_batch * cfg.seq_len * cfg.d_model * bpe / (lay.tp if sp else 1)
@@ -195,11 +199,12 @@ def _parts(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m
         link = collectives.hop_link(preset, 0, (p - 1) * lay.tp)
         other += collectives.all_reduce(cfg.vocab_size * cfg.d_model / lay.tp * gb, 2, link)
     comm_total = {
-        "tp": layer.tp_comm * cfg.n_layers / p * m,
+        "tp": (layer.tp_comm * cfg.n_layers / p + loss_tp) * m,
         "pp": (sum(p2p) / p) * 2 * m * v if p > 1 else 0.0,
         "dp": sum(ag) + sum(rs),
     }
-    per_stage_tp = per_chunk * v * (layer.fwd_tp_exposed + layer.bwd_tp_exposed)
+    # (the loss's exchange is the last stage's: the busiest rank's where the head makes it so)
+    per_stage_tp = per_chunk * v * (layer.fwd_tp_exposed + layer.bwd_tp_exposed) + loss_tp
     return _Parts(spec, layer, per_stage_tp, optimizer, other, comm_total)
 
 
