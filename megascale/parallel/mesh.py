@@ -34,6 +34,10 @@ from megascale.distributed import direct, p2p
 from megascale.distributed.groups import create_groups
 from megascale.errors import UserError
 
+# The tag of the mesh's own sums and gathers on our transport: none of the overlapped exchanges that
+# may be in flight on the same group (a DP bucket's, tagged with its index) can ever match them.
+SUMS_TAG = (1 << 31) - 1
+
 DIMS = ("dp", "pp", "tp")
 GROUP_KINDS = ("tp", "pp", "dp", "mp", "emb")  # the order every rank creates its groups in
 
@@ -130,7 +134,7 @@ class Mesh:
         """Sum (op="max": the maximum of) t over one of this mesh's groups, in place: by direct messages
         where our transport carries the group (distributed/direct.py all_reduce), else the backend's."""
         if self.direct_collectives and p2p.routed(group):
-            direct.all_reduce(t, group, op=op)
+            direct.all_reduce(t, group, tag=SUMS_TAG, op=op)
         else:
             dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
 
@@ -140,7 +144,7 @@ class Mesh:
         n = dist.get_world_size(group)
         rows, flat = t.new_empty((n, *t.shape)), t.reshape(-1).contiguous()
         if self.direct_collectives and p2p.routed(group):
-            direct.start_all_gather(rows, flat, group).wait()
+            direct.start_all_gather(rows, flat, group, tag=SUMS_TAG).wait()
         else:
             dist.all_gather_into_tensor(rows.view(-1), flat, group=group)
         return rows
