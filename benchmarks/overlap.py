@@ -8,7 +8,11 @@ Domino's method (Wang et al. 2024):
 
   T_serial   the dimension's overlap flags off: collectives where the computation waits on them
   T_overlap  the flags on
-  T_nocomm   flags on, the dimension's collectives replaced by no-ops of the same shapes
+  T_nocomm   flags on, the dimension's collectives replaced by no-ops of the same shapes, the
+             pipeline's activations and gradients by one-element messages: the stages still wait for
+             each other as the schedule says (its warm-up and cool-down bubble is the schedule's, not
+             communication: with free-running stages, pp2 x 8 micro-batches, T_nocomm had none of its
+             (p - 1) / m = 1/8 and T_overlap / T_nocomm counted it against the overlaps)
   T_comm     the collectives of one overlapped step replayed alone, back to back, no compute
 
   H = (T_serial - T_overlap) / (T_serial - T_nocomm)   the fraction of the exposed communication hidden
@@ -133,7 +137,9 @@ class Collectives:
     """Wraps torch.distributed's collectives, and the socket transport's sends and receives
     (distributed/p2p.py, parallel.transport = "sockets"): on the chosen groups, record each call's
     shapes, or replace it with a no-op (a receive's buffer zeroed, a gather's or reduce-scatter's output
-    filled from this rank's own data, a routed all-reduce left as it is: no garbage reaches the loss)."""
+    filled from this rank's own data, a routed all-reduce left as it is: no garbage reaches the loss).
+    On the `ordered` groups (the pipeline's) a send or receive becomes a one-element message instead of
+    nothing, so that a stage still waits for the one before it."""
 
     NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
              "reduce_scatter_tensor", "broadcast", "isend", "irecv")
@@ -144,6 +150,7 @@ class Collectives:
         from megascale.distributed import direct, p2p
 
         self.dist, self.p2p, self.groups, self.mode, self.calls = dist, p2p, groups, "pass", []
+        self.ordered: set = set()
         self.real = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
         for name, fn in self.real.items():
             setattr(dist, name, self._wrap(name, fn))
@@ -174,6 +181,10 @@ class Collectives:
                 self.calls.append((name, group, [(t.shape, t.dtype) for t in tensors],
                                    {k: v for k, v in kw.items() if k in ("dst", "src", "tag", "op")}))
                 return fn(*args, **kw)
+            if name in ("isend", "irecv") and group in self.ordered:
+                if name == "irecv":
+                    tensors[0].zero_()
+                return fn(tensors[0].new_zeros(1), *args[1:], **kw)  # the dependency, not the bytes
             if name == "irecv":
                 tensors[0].zero_()
             elif name.startswith(("all_gather", "reduce_scatter")):  # the output as one rank would see it
@@ -570,11 +581,12 @@ def worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     dim, rank = a.worker, int(os.environ["RANK"])
-    trainers, groups, timed = {}, {}, {v: [] for v in VARIANTS}
+    trainers, groups, ordered, timed = {}, {}, {}, {v: [] for v in VARIANTS}
     for variant in VARIANTS:
         run_dir = str(Path(a.base) / f"{dim}-{variant}")  # shared by the ranks: all are read
         trainers[variant] = Trainer(load_config(None, overrides(a, dim, variant, run_dir)), quiet=True)
         groups[variant] = dim_groups(trainers[variant].engine, DIMS[dim][3])
+        ordered[variant] = dim_groups(trainers[variant].engine, ("pp",)) & groups[variant]
     wrapper = Collectives(set())
     times = {v: [] for v in VARIANTS}
     by_round: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
@@ -582,7 +594,7 @@ def worker(a: argparse.Namespace) -> None:
     def step(variant: str, measured: bool, record: bool = False):
         trainer = trainers[variant]
         timers.install(trainer.observer.recorder)
-        wrapper.groups = groups[variant]
+        wrapper.groups, wrapper.ordered = groups[variant], ordered[variant]
         wrapper.mode = "nocomm" if variant == "nocomm" and measured else "pass"
         if record:
             wrapper.mode, wrapper.calls = "record", []

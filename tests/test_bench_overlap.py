@@ -127,3 +127,33 @@ def test_no_comm_collectives_leave_this_ranks_own_data_not_garbage(monkeypatch):
 def ov_names() -> tuple[str, ...]:
     return ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
             "reduce_scatter_tensor", "broadcast", "isend", "irecv")
+
+
+def test_no_comm_pipeline_messages_keep_the_stages_waiting_on_each_other(monkeypatch):
+    """On the pipeline's groups the no-comm variant sends and receives one-element messages instead of
+    nothing: the schedule's dependencies (and its bubble) stay, only the bytes go."""
+    import torch
+
+    from megascale.distributed import direct, p2p
+
+    sent = []
+    for module, names in ((p2p, ("isend", "irecv")), (direct, ("all_reduce",))):
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(p2p, "routed", lambda group: True)
+    for name in ("isend", "irecv"):
+        def fake(t, *_a, _name=name, **_k):
+            sent.append((_name, t.numel()))
+            return "work"
+        monkeypatch.setattr(p2p, name, fake)
+    ov = _overlap_module()
+    pipe, data = object(), object()
+    wrapper = ov.Collectives({pipe, data})
+    wrapper.ordered = {pipe}
+    wrapper.mode = "nocomm"
+    activation = torch.full((2, 8), float("nan"))
+    assert p2p.irecv(activation, src=1, group=pipe, tag=0) == "work"  # waited for, as the real one
+    assert p2p.isend(torch.ones(2, 8), dst=1, group=pipe, tag=0) == "work"
+    assert sent == [("irecv", 1), ("isend", 1)] and torch.equal(activation, torch.zeros(2, 8))
+    p2p.isend(torch.ones(3), dst=1, group=data, tag=0).wait()  # any other group's: nothing at all
+    assert len(sent) == 2
