@@ -14,6 +14,9 @@ transport, medians over `--repeats` bursts of `--burst` exchanges back to back:
   stolen      a block of GEMMs timed alone and with `--burst` all-gathers in flight behind it
               (issued before, waited after): how much longer the compute took, per all-gather
               (what an overlap pays on cores the communication shares)
+  issue       of which the issuing thread's own CPU per all-gather (time.thread_time around the
+              start calls: posting the receive, writing the send, which for a local peer runs the
+              kernel's whole delivery path): what an overlap pays on its compute thread itself
 
     .venv/bin/python benchmarks/transport.py [--kib 4 64 256 1024] [--repeats 7] [--burst 20]
 """
@@ -81,15 +84,16 @@ def measure(world: int, a: argparse.Namespace) -> dict:
             else:
                 dist.all_reduce(buf, group=g)
 
-        def beside(g, issue: bool, own=own, inboxes=inboxes) -> float:
+        def beside(g, issue: bool, own=own, inboxes=inboxes) -> tuple[float, float]:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             ex = [direct.start_all_gather(inboxes[i], own, g, tag=i) for i in range(a.burst)] if issue else []
+            issued = (time.thread_time() - c0) / a.burst
             gemms()
             t = time.perf_counter() - t0
             for e in ex:
                 e.wait()
-            return t
+            return t, issued
 
         got: dict[str, dict[str, list[float]]] = {t: {} for t in TRANSPORTS}
         for g in groups.values():  # connections made, buffers touched
@@ -104,8 +108,9 @@ def measure(world: int, a: argparse.Namespace) -> dict:
                 rec.setdefault("cpu", []).append(cpu)
                 summed, _ = _per_call(a.burst, lambda g=g, n=name: reduce(g, n))
                 rec.setdefault("all-reduce", []).append(summed)
-                alone, with_comm = beside(g, False), beside(g, True)
+                (alone, _), (with_comm, issued) = beside(g, False), beside(g, True)
                 rec.setdefault("stolen", []).append((with_comm - alone) / a.burst)
+                rec.setdefault("issue", []).append(issued)
         for name in TRANSPORTS:
             out[(kib, name)] = {k: statistics.median(v) for k, v in got[name].items()}
     p2p.close()
@@ -125,16 +130,18 @@ def main() -> int:
     got = run_on_gloo(2, measure, a)[0]
     print(f"2 ranks on loopback, one compute thread each; medians of {a.repeats} bursts of {a.burst}")
     print(f"{'KiB':>6} {'transport':9} {'swap us':>9} {'all-gather us':>14} {'cpu us':>8} {'stolen us':>10} "
-          f"{'all-reduce us':>14}")
+          f"{'issue us':>9} {'all-reduce us':>14}")
     for kib in a.kib:
         for name in TRANSPORTS:
             r = got[(kib, name)]
             print(f"{kib:6d} {name:9} {r['swap'] * 1e6:9.0f} {r['all-gather'] * 1e6:14.0f} "
-                  f"{r['cpu'] * 1e6:8.0f} {r['stolen'] * 1e6:10.0f} {r['all-reduce'] * 1e6:14.0f}")
+                  f"{r['cpu'] * 1e6:8.0f} {r['stolen'] * 1e6:10.0f} {r['issue'] * 1e6:9.0f} "
+                  f"{r['all-reduce'] * 1e6:14.0f}")
         g, s = got[(kib, "gloo")], got[(kib, "sockets")]
         print(f"{kib:6d} {'ratio':9} {g['swap'] / s['swap']:9.2f} {g['all-gather'] / s['all-gather']:14.2f} "
               f"{g['cpu'] / s['cpu']:8.2f} {g['stolen'] / max(s['stolen'], 1e-9):10.2f} "
-              f"{g['all-reduce'] / s['all-reduce']:14.2f}  (gloo / sockets)")
+              f"{g['issue'] / max(s['issue'], 1e-9):9.2f} {g['all-reduce'] / s['all-reduce']:14.2f}"
+              "  (gloo / sockets)")
     return 0
 
 
