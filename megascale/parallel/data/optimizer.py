@@ -261,8 +261,8 @@ def _wait_before_use(model: nn.Module, buffers: DPBuffers, wait) -> list:
     were in: 16 ms a step in `benchmarks/overlap.py --dims dp`, against 2-3 ms per module.
     A module whose forward reads a child's weight without calling the child names that child in
     `reads_child_weights` (the fused ops: the MLP's bias + GeLU reads fc_in's, the block's add + norm
-    norm2's), and waits for it too. The final norm also waits for the head: the
-    chunked loss of model.fused_ops reads head.weight without calling the head.
+    norm2's), and waits for it too. The final norm also waits for the head: the chunked loss of
+    model.fused_ops reads head.weight without calling the head.
     """
     def buckets(module: nn.Module | None, recurse: bool = False) -> set[int]:
         if module is None:
