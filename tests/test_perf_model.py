@@ -123,6 +123,22 @@ def test_schedule_runs_every_op_once_and_bounds_memory():
         pipeline.schedule(4, 2, 6, 0)
 
 
+@pytest.mark.parametrize("p,v", [(2, 1), (4, 1), (2, 2), (4, 2), (3, 3)])
+def test_the_planners_schedule_is_the_one_the_runtime_runs(p, v):
+    """perf imports no runtime, so it keeps op lists of its own: they must be the runtime's
+    (parallel/pipeline/schedule.py) op for op, on every rank, for 1F1B with and without a run-ahead
+    and for interleaved 1F1B, m == p (all warm-up) included."""
+    from megascale.parallel.pipeline.schedule import schedule_ops
+
+    name = "1f1b" if v == 1 else "interleaved"
+    for m in (p, 2 * p, 3 * p):
+        for ahead in (0, 1) if v == 1 else (0,):
+            for r in range(p):
+                mine = [(o.kind, o.chunk, o.mb) for o in pipeline.schedule(p, v, m, r, ahead)]
+                theirs = [(o.kind, o.chunk, o.microbatch) for o in schedule_ops(name, p, r, m, v, ahead)]
+                assert mine == theirs, (p, v, m, r, ahead)
+
+
 def test_blocking_p2p_costs_more_than_async_and_dp_overlap_hides_traffic():
     p, v, m = 4, 2, 8
     base = pipeline.PipelineSpec(p, v, m, [0.5] * 8, [1.0] * 8, p2p=[0.1] * p)

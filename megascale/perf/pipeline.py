@@ -90,7 +90,8 @@ def schedule(p: int, v: int, m: int, rank: int, ahead: int = 0) -> list[Op]:
     def bwd(k: int) -> Op:
         return Op("B", v - 1 - (k // p) % v, (k // (p * v)) * p + k % p)
 
-    warm = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    # with m == p everything is warm-up (Megatron's all_warmup_microbatches), as the runtime runs it
+    warm = total if m == p else min((p - rank - 1) * 2 + (v - 1) * p, total)
     ops = [fwd(k) for k in range(warm)]
     for i in range(total - warm):
         ops += [fwd(warm + i), bwd(i)]
