@@ -74,6 +74,13 @@ def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
     return Exchange(out, [], works, (inp, out), p2p.p2p_timeout(group))
 
 
+def gather_rows(t: Tensor, group, tag: int = 0) -> Tensor:
+    """Every rank's `t` over `group`, stacked in group rank order: (n, *t.shape), one exchange."""
+    rows = t.new_empty((dist.get_world_size(group), *t.shape))
+    start_all_gather(rows, t.contiguous(), group, tag).wait()
+    return rows
+
+
 # Up to this size a sum over more than 2 ranks goes in one exchange (every rank's whole tensor to every
 # peer) instead of a reduce-scatter and an all-gather: half the round trips, for a few more bytes.
 ONE_EXCHANGE_BYTES = 64 * 1024
@@ -102,8 +109,7 @@ def all_reduce(t: Tensor, group, tag: int = 0, op: str = "sum") -> None:
         return
     flat = t.reshape(-1)  # a view of t where t is contiguous, a copy otherwise
     if op == "max" or n == 2 or flat.numel() * flat.element_size() <= ONE_EXCHANGE_BYTES:
-        rows = flat.new_empty((n, flat.numel()))
-        start_all_gather(rows, flat, group, tag).wait()
+        rows = gather_rows(flat, group, tag)
         reduce = torch.maximum if op == "max" else torch.add
         out = rows[0]
         for r in range(1, n):  # rank order, on every rank: the same bits everywhere

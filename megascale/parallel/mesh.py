@@ -141,12 +141,10 @@ class Mesh:
     def all_gather(self, t: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         """Every rank's t over one of this mesh's groups, stacked in group rank order: (n, *t.shape).
         By direct messages where our transport carries the group, else the backend's all-gather."""
-        n = dist.get_world_size(group)
-        rows, flat = t.new_empty((n, *t.shape)), t.reshape(-1).contiguous()
         if self.direct_collectives and p2p.routed(group):
-            direct.start_all_gather(rows, flat, group, tag=SUMS_TAG).wait()
-        else:
-            dist.all_gather_into_tensor(rows.view(-1), flat, group=group)
+            return direct.gather_rows(t, group, tag=SUMS_TAG)
+        rows = t.new_empty((dist.get_world_size(group), *t.shape))
+        dist.all_gather_into_tensor(rows.view(-1), t.reshape(-1).contiguous(), group=group)
         return rows
 
     def groups(self) -> tuple[dist.ProcessGroup | None, ...]:
