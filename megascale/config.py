@@ -96,6 +96,9 @@ class ParallelConfig:
     pp_warmup_ahead: int = 0
     tp_overlap: bool = False  # all-gather/reduce-scatter pipelined with the TP GEMMs in chunks (tp > 1)
     tp_overlap_chunks: int = 2  # chunks per overlapped TP GEMM (tp_overlap)
+    # how the sequence-parallel GEMMs overlap: "chunked" (ours, any backend), "symm_mem" (PyTorch's fused
+    # symmetric-memory ops, CUDA), "auto" (symm_mem where the device has them); parallel/tensor/symm_mem.py
+    tp_overlap_impl: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -445,6 +448,7 @@ def validate(cfg: Config) -> None:
     _positive("parallel.pp_warmup_ahead", p.pp_warmup_ahead, allow_zero=True)
     _choice("parallel.schedule", p.schedule, ("auto", "1f1b", "interleaved", "afab"))
     _choice("parallel.transport", p.transport, ("gloo", "sockets"))
+    _choice("parallel.tp_overlap_impl", p.tp_overlap_impl, ("auto", "chunked", "symm_mem"))
     validate_layout(cfg)
 
     _positive("log.peak_flops", cfg.log.peak_flops, allow_zero=True)

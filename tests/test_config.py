@@ -70,6 +70,7 @@ def test_round_trip_through_toml(tmp_path):
         (["parallel.pp=2", "parallel.schedule=interleaved"], "parallel.schedule", "parallel.vpp > 1"),
         (["parallel.schedule=zigzag"], "parallel.schedule", "must be one of"),
         (["parallel.transport=mpi"], "parallel.transport", "must be one of"),
+        (["parallel.tp_overlap_impl=nccl"], "parallel.tp_overlap_impl", "must be one of"),
         (["parallel.pp_warmup_ahead=-1"], "parallel.pp_warmup_ahead", ">= 0"),
         (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_warmup_ahead=1"], "parallel.pp_warmup_ahead",
          "1f1b schedule, not interleaved"),

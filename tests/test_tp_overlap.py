@@ -140,20 +140,21 @@ def _model_config(style: str, block: str, recompute: bool = False) -> ModelConfi
                        block=block, bias=not llama, tie_embeddings=not llama, recompute=recompute)
 
 
-def _build(mcfg, mesh, sp, fuse, chunks, init):
-    factory = TPLayerFactory(mesh, sequence_parallel=sp, overlap_chunks=chunks)
+def _build(mcfg, mesh, sp, fuse, chunks, init, impl="chunked"):
+    factory = TPLayerFactory(mesh, sequence_parallel=sp, overlap_chunks=chunks, overlap_impl=impl)
     model = parallelize(GPT(mcfg, factory), factory, fuse_parallel_block=fuse).to(F64)
     load_full_state_dict(model, init, mesh)
     ocfg = OptimConfig(lr=1e-2, weight_decay=0.1)
     return model, factory, build_optimizer(model, ocfg)
 
 
-def _model_parity(rank, style, block, sp, fuse, recompute, chunks):
+def _model_parity(rank, style, block, sp, fuse, recompute, chunks, impl="chunked"):
+    """Overlap off against on (impl: parallel.tp_overlap_impl; test_tp_symm_mem uses "auto")."""
     mcfg = _model_config(style, block, recompute)
     torch.manual_seed(1234)
     init = GPT(mcfg).to(F64).state_dict()
     mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=sp))
-    runs = [_build(mcfg, mesh, sp, fuse, c, init) for c in (0, chunks)]
+    runs = [_build(mcfg, mesh, sp, fuse, c, init, impl) for c in (0, chunks)]
     samples = SyntheticSamples(16, SEQ, VOCAB)
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     for step in range(STEPS):

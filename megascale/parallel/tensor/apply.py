@@ -25,6 +25,7 @@ parallel block keep their one collective each.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from megascale.config import ConfigError, ModelConfig
@@ -63,14 +64,16 @@ def check_tp(cfg: ModelConfig, mesh: Mesh, sequence_parallel: bool) -> None:
 class TPLayerFactory(LayerFactory):
     """Builds the tensor-parallel layers for one mesh; the model never learns its rank.
 
-    overlap_chunks: chunks per overlapped GEMM (0: off). When on, construction creates the
-    overlap's process group, so every rank must build its factory, in the same order.
+    overlap_chunks: chunks per overlapped GEMM (0: off); overlap_impl: parallel.tp_overlap_impl for a
+    model on `device` (symm_mem.py). When on, construction creates the overlap's process group, so
+    every rank must build its factory, in the same order.
     """
 
-    def __init__(self, mesh: Mesh, sequence_parallel: bool = False, overlap_chunks: int = 0):
+    def __init__(self, mesh: Mesh, sequence_parallel: bool = False, overlap_chunks: int = 0,
+                 overlap_impl: str = "chunked", device: torch.device | str = "cpu"):
         self.mesh = mesh
         self.sequence_parallel = sequence_parallel and mesh.tp > 1
-        self.overlap = overlap_settings(mesh, overlap_chunks)
+        self.overlap = overlap_settings(mesh, overlap_chunks, overlap_impl, device)
 
     def linear(self, in_features: int, out_features: int, bias: bool, style: str) -> nn.Module:
         if style not in LINEAR_STYLES:

@@ -44,6 +44,8 @@ fused head + loss. Under SP, qkv then gathers inside the layer (apply.py skips i
 the attention's entry), so that gather hides under qkv's GEMM too. Under autocast the backward
 runs its GEMMs in the forward's autocast state and returns gradients in the parameters' and
 inputs' dtypes, as autocast's own casts do.
+On CUDA the sequence-parallel layers can instead use PyTorch's fused symmetric-memory ops
+(parallel.tp_overlap_impl, symm_mem.py); plain TP's all-reduces always take the chunks here.
 torch.compile runs these functions eagerly (a graph break at each call), like the other
 collectives of megascale.
 """
@@ -62,6 +64,7 @@ from megascale.distributed.direct import start_all_gather, start_reduce_scatter
 from megascale.distributed.groups import create_groups
 from megascale.observe import timers
 from megascale.parallel.mesh import Mesh, group_ranks
+from megascale.parallel.tensor import symm_mem
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,16 +74,20 @@ class Overlap:
     chunks: int
     group: dist.ProcessGroup
     direct: bool = False  # collectives as direct sends (gloo, Mesh.direct_collectives)
+    symm_mem: bool = False  # the SP layers through PyTorch's fused symmetric-memory ops (symm_mem.py)
 
 
-def overlap_settings(mesh: Mesh, chunks: int) -> Overlap | None:
-    """None when off (chunks == 0, or tp == 1). Collective: every rank calls it, in the same order."""
+def overlap_settings(mesh: Mesh, chunks: int, impl: str = "chunked",
+                     device: torch.device | str = "cpu") -> Overlap | None:
+    """None when off (chunks == 0, or tp == 1). impl: parallel.tp_overlap_impl (symm_mem.py), for a
+    model on `device`. Collective: every rank calls it, in the same order."""
     if chunks <= 0 or mesh.tp == 1:
         return None
+    fused = symm_mem.resolve(impl, device)  # before the group: a bad setting fails before any collective
     group = create_groups([group_ranks(mesh.dp, mesh.pp, mesh.tp, "tp")], mesh.rank)[0]
     if p2p.routed(mesh.tp_group):  # parallel.transport = "sockets": its messages on a channel of its own
         p2p.use_sockets((group,))
-    return Overlap(chunks, group, mesh.direct_collectives)
+    return Overlap(chunks, group, mesh.direct_collectives, fused)
 
 
 def num_chunks(size: int, chunks: int) -> int:
@@ -298,6 +305,8 @@ class _RowReduce(torch.autograd.Function):
 @torch.compiler.disable  # async work handles and timers are not traceable: run eagerly, one graph break
 def column_linear(x: Tensor, w: Tensor, b: Tensor | None, input_mode: str, mesh: Mesh, ov: Overlap) -> Tensor:
     """ColumnParallelLinear's input stage ("gather_seq" or "copy") and GEMM, overlapped."""
+    if ov.symm_mem and input_mode == "gather_seq":
+        return symm_mem.gather_column(x, w, b, ov.group.group_name)
     fn = _GatherColumn if input_mode == "gather_seq" else _CopyColumn
     return fn.apply(x, w, b, mesh.tp, ov, ov.chunks)
 
@@ -305,5 +314,7 @@ def column_linear(x: Tensor, w: Tensor, b: Tensor | None, input_mode: str, mesh:
 @torch.compiler.disable
 def row_linear(x: Tensor, w: Tensor, output_mode: str, mesh: Mesh, ov: Overlap) -> Tensor:
     """RowParallelLinear's GEMM and output stage ("reduce_scatter_seq" or "reduce"), overlapped."""
+    if ov.symm_mem and output_mode == "reduce_scatter_seq":
+        return symm_mem.row_reduce_scatter(x, w, ov.group.group_name)
     fn = _RowReduceScatter if output_mode == "reduce_scatter_seq" else _RowReduce
     return fn.apply(x, w, mesh.tp, ov, ov.chunks)
