@@ -2,13 +2,16 @@
 change when bytes move, never what is computed.
 
 On 2 gloo ranks in float64: each overlapped layer against the plain one (forward, input and
-parameter gradients), then whole GPTs (gpt and llama style, sequential and parallel block, with
-and without sequence parallelism) built with overlap off and on from the same weights, whose
-loss and every parameter gradient must agree to 1e-12 relative at each of a few AdamW steps, and
-so must the weights after them; one slice apart: the attention's key bias, whose exact gradient
-is zero (softmax ignores a shift of all of a query's scores), so AdamW normalises rounding noise
-into steps of ~1e-13 there, different on each path; it is bounded in absolute terms, as
-test_tp_parity bounds it.
+parameter gradients, to 1e-12 relative), then whole GPTs (gpt and llama style, sequential and
+parallel block, with and without sequence parallelism) built with overlap off and on from the same
+weights, whose loss and every parameter gradient must agree at each of a few AdamW steps, and so
+must the weights after them, to test_tp_parity's float64 bounds: 1e-11 relative for losses and
+gradients, 1e-11 absolute for weights (O(0.01..1)). Not tighter: a GEMM's rows round differently
+with the rows beside them (~1e-15), so any chunking differs from the plain path there, and AdamW
+turns such noise in a gradient element near its eps (1e-8) into steps that differ by lr / eps
+times as much: 1.8e-13 on one fc_in weight after the first step, 2.6e-12 of that tensor's largest.
+The attention's key bias, whose exact gradient is zero, is one such element everywhere. A real bug
+(a chunk in the wrong place, a missing sum) is off by orders of magnitude.
 Chunk counts 2, 3 and 5 are used: at seq 12 (6 tokens per rank under SP) 5 divides neither,
 so the layers fall back to 4 or 3 chunks (`num_chunks`). The one Trainer-level case is the
 "tp2-sp-overlap" layout of test_trainer_parallel.py.
@@ -27,15 +30,15 @@ from megascale.observe import timers
 from megascale.optim import build_optimizer
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.tensor.apply import TPLayerFactory, parallelize, tp_loss
+from megascale.parallel.tensor.flight import num_chunks, overlap_settings
 from megascale.parallel.tensor.grads import sync_partial_grads
 from megascale.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
-from megascale.parallel.tensor.overlap import num_chunks, overlap_settings
 from megascale.parallel.tensor.state import load_full_state_dict
 
 F64 = torch.float64
 SEQ, BATCH, VOCAB, STEPS = 12, 2, 97, 3
-TOL = 1e-12
-KEY_BIAS_TOL = 1e-11  # absolute: noise-driven AdamW steps on a parameter of exactly zero gradient
+TOL = 1e-12  # one layer, relative
+STEP_TOL = 1e-11  # whole models over AdamW steps: losses and gradients relative, weights absolute
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +87,9 @@ class _Launches:
         return Pending()
 
 
-def _layer_pair(rank, kind, sp, chunks, batch, seq):
+def _layer_pair(rank, kind, sp, chunks, batch, seq, direct=True):
     torch.manual_seed(0)
-    mesh = Mesh.build(ParallelConfig(tp=2))
+    mesh = Mesh.build(ParallelConfig(tp=2, direct_collectives=direct))
     ov = overlap_settings(mesh, chunks)
     if kind == "column":
         mode = dict(input_mode="gather_seq" if sp else "copy")
@@ -116,11 +119,14 @@ CHUNKED = {"column": {True: "reduce_scatter", False: "all_reduce"},  # backward'
            "row": {True: "reduce_scatter", False: "all_reduce"}}  # forward's
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gloo"])
 @pytest.mark.parametrize("batch,seq,chunks", [(2, 12, 2), (2, 12, 3), (1, 12, 5), (3, 4, 4)])
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "tp"])
 @pytest.mark.parametrize("kind", ["column", "row"])
-def test_overlapped_layer_equals_the_plain_layer(pool, kind, sp, chunks, batch, seq):
-    (diffs, issued, waited), _ = pool.run(_layer_pair, kind, sp, chunks, batch, seq)
+def test_overlapped_layer_equals_the_plain_layer(pool, kind, sp, chunks, batch, seq, direct):
+    """direct: the reduce-scatters as direct sends, whose own slot is computed after they start
+    (overlap.py `_reduce_scatter_rows`); gloo: its collectives, every slot first."""
+    (diffs, issued, waited), _ = pool.run(_layer_pair, kind, sp, chunks, batch, seq, direct)
     assert max(diffs) < TOL, diffs
     tokens = seq // 2 if sp else batch * seq  # what SP chunks (the local sequence) or TP (the tokens)
     n = num_chunks(tokens, chunks)
@@ -171,23 +177,11 @@ def _model_parity(rank, style, block, sp, fuse, recompute, chunks, impl="chunked
         worst["loss"] = max(worst["loss"], rel(losses[1], losses[0]))
         assert grads[0].keys() == grads[1].keys()
         worst["grad"] = max(worst["grad"], *(rel(grads[1][n], g) for n, g in grads[0].items()))
-    off, on = ({k: v for n, p in model.named_parameters() for k, v in _split_key_bias(n, p, mcfg).items()}
-               for model, _, _ in runs)
-    worst["weight"] = max(rel(on[n], p) for n, p in off.items() if not n.endswith("#key"))
-    key_bias = max(((on[n] - p).abs().max().item() for n, p in off.items() if n.endswith("#key")),
-                   default=0.0)
+    off, on = ({n: p.detach() for n, p in model.named_parameters()} for model, _, _ in runs)
+    worst["weight"] = max((on[n] - p).abs().max().item() for n, p in off.items())
     overlapped = sum(getattr(m, "overlap", None) is not None and getattr(m, mode, "none") != "none"
                      for m in runs[1][0].modules() for mode in ("input_mode", "_output_mode"))
-    return worst, key_bias, overlapped
-
-
-def _split_key_bias(name: str, p: torch.Tensor, mcfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """This rank's qkv bias, (heads, [q, k, v], head_dim), as its q/v part and its key part."""
-    p = p.detach()
-    if not name.endswith("attn.qkv.bias"):
-        return {name: p}
-    qkv = p.view(-1, 3, mcfg.head_dim)
-    return {name: qkv[:, ::2], name + "#key": qkv[:, 1]}
+    return worst, overlapped
 
 
 MODELS = {
@@ -207,11 +201,10 @@ MODELS = {
 @pytest.mark.parametrize("name", list(MODELS))
 def test_overlap_matches_plain_tp_loss_grads_and_steps(pool, name, chunks):
     style, block, sp, fuse, recompute = MODELS[name]
-    (worst, key_bias, overlapped), (worst1, key_bias1, _) = pool.run(_model_parity, style, block, sp, fuse,
-                                                                     recompute, chunks)
-    print(f"\n{name} chunks={chunks}: {worst}, key bias {key_bias:.1e} abs ({overlapped} overlapped layers)")
-    for w, kb in ((worst, key_bias), (worst1, key_bias1)):
-        assert max(w.values()) < TOL and kb < KEY_BIAS_TOL, (w, kb)
+    (worst, overlapped), (worst1, _) = pool.run(_model_parity, style, block, sp, fuse, recompute, chunks)
+    print(f"\n{name} chunks={chunks}: {worst} ({overlapped} overlapped layers)")
+    for w in (worst, worst1):
+        assert max(w.values()) < STEP_TOL, w
     layers = _model_config(style, block).n_layers
     # every block's 4 linears and the head; the fused parallel block keeps its shared collectives
     assert overlapped == (1 if fuse else 4 * layers + 1)

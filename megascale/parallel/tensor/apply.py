@@ -33,6 +33,7 @@ from megascale.model.factory import EMBEDDING_STYLES, LINEAR_STYLES, Dropout, La
 from megascale.ops.cross_entropy import vocab_parallel_chunked_cross_entropy
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.tensor import comm
+from megascale.parallel.tensor.flight import overlap_settings
 from megascale.parallel.tensor.layers import (
     INPUT_MODES,
     ColumnParallelLinear,
@@ -43,7 +44,6 @@ from megascale.parallel.tensor.layers import (
     zero_padding,
 )
 from megascale.parallel.tensor.loss import vocab_parallel_cross_entropy
-from megascale.parallel.tensor.overlap import overlap_settings
 
 
 def check_tp(cfg: ModelConfig, mesh: Mesh, sequence_parallel: bool) -> None:

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.tensor import comm
-from megascale.parallel.tensor.overlap import Overlap, column_linear, row_linear
+from megascale.parallel.tensor.flight import Overlap
+from megascale.parallel.tensor.overlap import column_linear, row_linear
 
 INPUT_MODES = {"copy": comm.copy_to_tp, "gather_seq": comm.gather_seq, "none": lambda x, mesh: x}
 OUTPUT_MODES = {"reduce": comm.reduce_from_tp, "reduce_scatter_seq": comm.reduce_scatter_seq}

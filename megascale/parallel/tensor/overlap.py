@@ -6,14 +6,25 @@ reduce-scatter cannot start before its GEMM has; plain TP's all-reduce likewise.
 into chunks and the collectives become a pipeline: chunk i's communication runs while chunk
 i+1's (or i-1's) GEMM computes, so only about one chunk of it stays exposed.
 
-  column, SP   fwd: all-gather chunk i+1 under the GEMM of chunk i (all gathers issued first)
-               bwd: reduce-scatter of chunk i's dgrad under chunk i+1's dgrad GEMM; the last one
-                    under the one wgrad GEMM (Megatron's linear backward, chunked)
+  column, SP   fwd: the own rows' GEMMs under chunk 0's all-gather, then chunk i+1's under the
+                    peers' rows of chunk i (all gathers issued first)
+               bwd: reduce-scatter of chunk i's dgrad under chunk i+1's dgrad GEMM; the last ones
+                    under the own rows' dgrad and the one wgrad GEMM (Megatron's linear backward)
   column, TP   fwd: the GEMM as is (copy has no forward collective)
-               bwd: as SP's, with one all-reduce per chunk
-  row, SP      fwd: reduce-scatter chunk i under the GEMM of chunk i+1
-               bwd: all-gather grad_output chunk i+1 under chunk i's dgrad GEMM, then one wgrad
+               bwd: one all-reduce per chunk, under the next chunk's dgrad, the last under the wgrad
+  row, SP      fwd: reduce-scatter chunk i under the GEMM of chunk i+1, the last ones under the own rows'
+               bwd: as column SP's forward (all-gather grad_output), then one wgrad
   row, TP      fwd: all-reduce chunk i under the GEMM of chunk i+1;  bwd: no collective
+
+Own rows. Of an all-gather + GEMM, the rows of this rank's own shard need nothing from the wire,
+and of a GEMM + reduce-scatter, the rows whose sum stays here are sent nowhere: as torchtitan's
+async TP and Megatron's ring-exchange overlap decompose the GEMM by rank, they run first (under the
+first gathers) or last (under the last reduce-scatters), so even one chunk hides 1/tp of its GEMM
+and no collective is left wholly exposed. A last reduce-scatter's own rows need the direct sends
+(gloo, distributed/direct.py), where only the peers' rows leave and the sum lands in the own slot
+at the wait; a backend's collective reads all of its input while it runs. On the simulated 1 Gbit/s
+tp2 cluster it took the exposed tp wait from 99 to 72-85 ms a step at 2 chunks (one sitting), and
+1 chunk (half the messages) then hid as much as 2 (`benchmarks/overlap.py --dims tp`).
 
 Chunks. Plain TP cuts the flattened tokens (batch * seq rows): contiguous slices, every
 chunk's all-reduce is elementwise, no reordering. SP cuts each rank's local sequence (dim 1):
@@ -30,12 +41,8 @@ the memory is the same with the flag on or off, and re-gathering would move an e
 per layer, on links that are the scarce resource here. With activation recomputation the
 saved copy lives only inside one block's backward anyway.
 
-The collectives run on a process group of their own (the ranks of mesh.tp_group; one per
-TPLayerFactory, created on every rank at construction), as Megatron's TP-overlap communicators
-do: a group runs its collectives in issue order, so a chunk never queues behind another tp
-collective of the plain path (vocab-parallel loss, BranchIn/BranchOut, partial-gradient sums),
-and on NCCL it is a communicator of its own, on its own stream. Every function here waits for
-all it issued before it returns, so each group sees the same order on every rank.
+The collectives run on a process group of their own, each pass waiting for all it issued
+(flight.py).
 
 Where it does not apply, the plain path runs unchanged: regions whose collective is shared by
 several layers (the fused parallel block's BranchIn/BranchOut: column input_mode "none", row
@@ -52,100 +59,19 @@ collectives of megascale.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from megascale.distributed import p2p
-from megascale.distributed.direct import start_all_gather, start_reduce_scatter
-from megascale.distributed.groups import create_groups
-from megascale.observe import timers
-from megascale.parallel.mesh import Mesh, group_ranks
+from megascale.parallel.mesh import Mesh
 from megascale.parallel.tensor import symm_mem
-
-
-@dataclass(frozen=True, eq=False)
-class Overlap:
-    """How the layers of one TPLayerFactory overlap: chunks per GEMM, and the group they use."""
-
-    chunks: int
-    group: dist.ProcessGroup
-    direct: bool = False  # collectives as direct sends (gloo, Mesh.direct_collectives)
-    symm_mem: bool = False  # the SP layers through PyTorch's fused symmetric-memory ops (symm_mem.py)
-
-
-def overlap_settings(mesh: Mesh, chunks: int, impl: str = "chunked",
-                     device: torch.device | str = "cpu") -> Overlap | None:
-    """None when off (chunks == 0, or tp == 1). impl: parallel.tp_overlap_impl (symm_mem.py), for a
-    model on `device`. Collective: every rank calls it, in the same order."""
-    if chunks <= 0 or mesh.tp == 1:
-        return None
-    fused = symm_mem.resolve(impl, device)  # before the group: a bad setting fails before any collective
-    group = create_groups([group_ranks(mesh.dp, mesh.pp, mesh.tp, "tp")], mesh.rank)[0]
-    if p2p.routed(mesh.tp_group):  # parallel.transport = "sockets": its messages on a channel of its own
-        p2p.use_sockets((group,))
-    return Overlap(chunks, group, mesh.direct_collectives, fused)
-
-
-def num_chunks(size: int, chunks: int) -> int:
-    """The largest divisor of `size` that is <= chunks (at least 1): equal chunks only."""
-    return next(c for c in range(max(1, min(chunks, size)), 0, -1) if size % c == 0)
+from megascale.parallel.tensor.flight import Flight, Overlap, num_chunks
 
 
 def _gathered_order(t: Tensor, i: int, c: int, tp: int) -> Tensor:
     """Chunk i of a full-sequence (b, s, f) tensor as the all-gather of the ranks' local chunks i
     lays it out: a (tp, b, s / (tp c), f) view, rank-major."""
     return t.unflatten(1, (tp, c, -1))[:, :, i].transpose(0, 1)
-
-
-def _nbytes(t: Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-class _Flight:
-    """The async collectives of one pass, in issue order (the same on every rank), each waited once.
-
-    The tensors stay referenced until their wait, so nothing in flight is freed under gloo."""
-
-    def __init__(self, ov: Overlap):
-        self.group, self.direct, self.ops = ov.group, ov.direct, []
-
-    def _issue(self, op: str, nbytes: int, collective, *tensors: Tensor) -> None:
-        pending = timers.launch(op, "tp", "tp", nbytes=nbytes)
-        self.ops.append((pending, collective(*tensors, group=self.group, async_op=True), tensors))
-
-    # out / inp (tp, ...) stacked by rank; gloo wants them concatenated, (tp * n0, ...): views
-    def all_gather(self, out: Tensor, inp: Tensor) -> None:
-        if self.direct:  # gloo: faster than its own (distributed/direct.py)
-            self._direct("all_gather", _nbytes(out), start_all_gather, out, inp)
-        else:
-            self._issue("all_gather", _nbytes(out), dist.all_gather_single, out.flatten(0, 1), inp)
-
-    def reduce_scatter(self, out: Tensor, inp: Tensor) -> None:
-        if self.direct:  # gloo: half the bytes of its own reduce-scatter (distributed/direct.py)
-            self._direct("reduce_scatter", _nbytes(inp), start_reduce_scatter, out, inp)
-        else:
-            self._issue("reduce_scatter", _nbytes(inp), dist.reduce_scatter_single, out, inp.flatten(0, 1))
-
-    def _direct(self, op: str, nbytes: int, start, out: Tensor, inp: Tensor) -> None:
-        pending = timers.launch(op, "tp", "tp", nbytes=nbytes)  # the exchange keeps its tensors itself
-        self.ops.append((pending, start(out, inp, self.group), ()))
-
-    def all_reduce(self, t: Tensor) -> None:
-        self._issue("all_reduce", _nbytes(t), dist.all_reduce, t)
-
-    def wait(self, i: int) -> None:
-        if self.ops[i] is not None:
-            pending, work, _ = self.ops[i]
-            self.ops[i] = None
-            pending.wait(work)  # only the wait counts as exposed communication
-
-    def wait_all(self) -> None:
-        for i in range(len(self.ops)):
-            self.wait(i)
 
 
 def _amp_state(x: Tensor) -> tuple[str, bool, torch.dtype]:
@@ -164,6 +90,29 @@ def _save(ctx, ov: Overlap, tp: int, amp, *tensors: Tensor) -> None:
     ctx.save_for_backward(*tensors)
 
 
+def _reduce_scatter_rows(flight: Flight, ov: Overlap, parts: Tensor, rows) -> Tensor:
+    """Issue the reduce-scatter of one chunk, `parts` (tp, ...) stacked by the rank each slot goes to,
+    `rows(r)` computing slot r; returns where this rank's sum lands.
+
+    With direct sends only the peers' slots must exist when the exchange starts, and the sum lands in
+    this rank's own slot, added to in rank order at the wait, as the plain path adds: the own slot is
+    computed later (`_own_rows_last`), under the exchanges in flight. A backend's collective reads its
+    whole input while it runs, so there every slot is computed first, the sum goes to a tensor of its own."""
+    tp = parts.shape[0]
+    for r in ov.peers(tp) if ov.direct else range(tp):
+        parts[r].copy_(rows(r))
+    out = parts[ov.rank] if ov.direct else parts.new_empty(parts.shape[1:])
+    flight.reduce_scatter(out, parts)
+    return out
+
+
+def _own_rows_last(ov: Overlap, parts: Tensor, own_rows) -> None:
+    """Direct sends: each chunk's own slot, `own_rows(i)`, under the reduce-scatters already issued."""
+    if ov.direct:
+        for i in range(parts.shape[0]):
+            parts[i][ov.rank].copy_(own_rows(i))
+
+
 class _GatherColumn(torch.autograd.Function):
     """y = gather_seq(x) W^T + b with the all-gather pipelined under the GEMM, in chunks of dim 1."""
 
@@ -173,15 +122,18 @@ class _GatherColumn(torch.autograd.Function):
         c = num_chunks(sl, chunks)
         sc = sl // c
         gathered = x.new_empty((c, tp, bsz, sc, d))  # kept for the wgrad (see the module docstring)
-        flight = _Flight(ov)
+        flight, own = Flight(ov), [x.narrow(1, i * sc, sc).contiguous() for i in range(c)]
         for i in range(c):
-            flight.all_gather(gathered[i], x.narrow(1, i * sc, sc).contiguous())
+            flight.all_gather(gathered[i], own[i])
         y = None
-        for i in range(c):
-            flight.wait(i)  # the gathers of chunks > i go on under this chunk's GEMM
-            part = F.linear(gathered[i], w, b)
+        for i in range(c):  # this rank's own rows need no gather: their GEMMs run while chunk 0 travels
+            part = F.linear(own[i], w, b)
             y = part.new_empty((bsz, tp * sl, part.shape[-1])) if y is None else y
-            _gathered_order(y, i, c, tp).copy_(part)
+            _gathered_order(y, i, c, tp)[ov.rank].copy_(part)
+        for i in range(c):
+            flight.wait(i)  # the gathers of chunks > i go on under this chunk's GEMMs
+            for r in ov.peers(tp):
+                _gathered_order(y, i, c, tp)[r].copy_(F.linear(gathered[i][r], w, b))
         ctx.bias_dtype = None if b is None else b.dtype
         _save(ctx, ov, tp, _amp_state(x), gathered, w)
         return y
@@ -190,16 +142,18 @@ class _GatherColumn(torch.autograd.Function):
     def backward(ctx, g):
         gathered, w = ctx.saved_tensors
         c, tp, bsz, sc, d = gathered.shape
-        flight = _Flight(ctx.ov)
+        ov = ctx.ov
+        flight = Flight(ov)
         with _amp(ctx.amp):
             gp = g.new_empty((c, tp, bsz, sc, g.shape[-1]))  # g in the gathered order of the input
+            parts = gathered.new_empty((c, tp, bsz, sc, d))  # the dgrad, stacked by the rank it goes to
             dx = []
             for i in range(c):
                 gp[i].copy_(_gathered_order(g, i, c, tp))
-                dx.append(gathered.new_empty((bsz, sc, d)))
-                # chunk i's reduce-scatter runs under chunk i+1's dgrad GEMM ...
-                flight.reduce_scatter(dx[i], (gp[i] @ w).to(gathered.dtype))
-            # ... and the last one under the weight-gradient GEMM
+                dx.append(_reduce_scatter_rows(flight, ov, parts[i], lambda r, i=i: gp[i][r] @ w))
+            # chunk i's reduce-scatter runs under chunk i+1's dgrad GEMM, the last ones under the own
+            # rows' (direct sends) and the weight-gradient GEMM
+            _own_rows_last(ov, parts, lambda i: gp[i][ov.rank] @ w)
             dw = None
             if ctx.needs_input_grad[1]:
                 dw = (gp.flatten(0, -2).T @ gathered.flatten(0, -2)).to(w.dtype)
@@ -223,7 +177,7 @@ class _CopyColumn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         rows = g2.shape[0] // num_chunks(g2.shape[0], ctx.chunks)
-        flight = _Flight(ctx.ov)
+        flight = Flight(ctx.ov)
         with _amp(ctx.amp):
             dx = []
             for g_i in g2.split(rows):
@@ -244,11 +198,14 @@ class _RowReduceScatter(torch.autograd.Function):
         if s % tp:
             raise ValueError(f"dimension 1 of size {s} does not split over tp={tp}")
         c = num_chunks(s // tp, chunks)
-        flight, out = _Flight(ov), []
+        dev, amp, amp_dtype = _amp_state(x)
+        # every chunk's GEMM results, stacked by the rank each slot's sum goes to
+        parts = x.new_empty((c, tp, bsz, s // (tp * c), w.shape[0]), dtype=amp_dtype if amp else x.dtype)
+        flight, out = Flight(ov), []
         for i in range(c):
-            part = F.linear(_gathered_order(x, i, c, tp), w)  # (tp, b, chunk, out): stacked by rank
-            out.append(part.new_empty(part.shape[1:]))
-            flight.reduce_scatter(out[i], part)
+            xi = _gathered_order(x, i, c, tp)  # (tp, b, chunk, in): the rows of each rank's slot
+            out.append(_reduce_scatter_rows(flight, ov, parts[i], lambda r, xi=xi: F.linear(xi[r], w)))
+        _own_rows_last(ov, parts, lambda i: F.linear(_gathered_order(x, i, c, tp)[ov.rank], w))
         flight.wait_all()
         ctx.chunks = c
         _save(ctx, ov, tp, _amp_state(x), x, w)
@@ -260,16 +217,20 @@ class _RowReduceScatter(torch.autograd.Function):
         c, tp = ctx.chunks, ctx.tp
         bsz, sl, f = g.shape
         sc = sl // c
-        gathered = g.new_empty((c, tp, bsz, sc, f))
-        flight = _Flight(ctx.ov)
+        gathered, ov = g.new_empty((c, tp, bsz, sc, f)), ctx.ov
+        flight, own = Flight(ov), [g.narrow(1, i * sc, sc).contiguous() for i in range(c)]
         for i in range(c):
-            flight.all_gather(gathered[i], g.narrow(1, i * sc, sc).contiguous())
+            flight.all_gather(gathered[i], own[i])
         dx, g_full, dw = x.new_empty(x.shape), g.new_empty((bsz, tp * sl, f)), None
         with _amp(ctx.amp):
+            for i in range(c):  # the own rows first, while chunk 0's gather travels
+                _gathered_order(dx, i, c, tp)[ov.rank].copy_(own[i] @ w)
+                _gathered_order(g_full, i, c, tp)[ov.rank].copy_(own[i])
             for i in range(c):
-                flight.wait(i)  # the gathers of chunks > i go on under this chunk's dgrad GEMM
-                _gathered_order(dx, i, c, tp).copy_(gathered[i] @ w)
-                _gathered_order(g_full, i, c, tp).copy_(gathered[i])
+                flight.wait(i)  # the gathers of chunks > i go on under this chunk's dgrad GEMMs
+                for r in ov.peers(tp):
+                    _gathered_order(dx, i, c, tp)[r].copy_(gathered[i][r] @ w)
+                    _gathered_order(g_full, i, c, tp)[r].copy_(gathered[i][r])
             if ctx.needs_input_grad[1]:
                 # one wgrad GEMM in natural order, on the saved input as is: reordering the gradient
                 # (d_model wide) moves fewer bytes than reordering the input (ffn/tp wide) per chunk
@@ -283,7 +244,7 @@ class _RowReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, tp, ov, chunks):
         x2 = x.reshape(-1, x.shape[-1])
-        flight, out = _Flight(ov), []
+        flight, out = Flight(ov), []
         for x_i in x2.split(x2.shape[0] // num_chunks(x2.shape[0], chunks)):
             out.append(F.linear(x_i, w))
             flight.all_reduce(out[-1])
