@@ -737,7 +737,8 @@ def main() -> int:
                    help="parallel.direct_collectives=false: gloo's own (its reduce-scatter an all-reduce)")
     p.add_argument("--transport", choices=("gloo", "sockets"), default="sockets",
                    help="parallel.transport: what carries the p2p messages (distributed/sockets.py)")
-    p.add_argument("--tp-chunks", type=int, default=2)
+    p.add_argument("--tp-chunks", type=int, default=1,
+                   help="parallel.tp_overlap_chunks (1: own rows only; 2 hid less here, twice the messages)")
     p.add_argument("--pp-ahead", type=int, default=1,
                    help="parallel.pp_warmup_ahead of the pp overlap (0: Megatron's 1F1B warm-up)")
     p.add_argument("--timeout", type=float, default=900.0)

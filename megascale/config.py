@@ -95,7 +95,10 @@ class ParallelConfig:
     # micro-batches of activations held on those ranks. 0: Megatron's 1F1B
     pp_warmup_ahead: int = 0
     tp_overlap: bool = False  # all-gather/reduce-scatter pipelined with the TP GEMMs in chunks (tp > 1)
-    tp_overlap_chunks: int = 2  # chunks per overlapped TP GEMM (tp_overlap)
+    # chunks per overlapped TP GEMM (tp_overlap), each split by rank: its own rows first (all-gather) or
+    # last (reduce-scatter). 1 hides 1/tp of each GEMM in the fewest messages (best on CPU, with SP); plain
+    # TP (no SP) needs 2 or more for its row layers' all-reduce to overlap at all
+    tp_overlap_chunks: int = 1
     # how the sequence-parallel GEMMs overlap: "chunked" (ours, any backend), "symm_mem" (PyTorch's fused
     # symmetric-memory ops, CUDA), "auto" (symm_mem where the device has them); parallel/tensor/symm_mem.py
     tp_overlap_impl: str = "auto"

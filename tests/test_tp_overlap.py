@@ -12,9 +12,9 @@ turns such noise in a gradient element near its eps (1e-8) into steps that diffe
 times as much: 1.8e-13 on one fc_in weight after the first step, 2.6e-12 of that tensor's largest.
 The attention's key bias, whose exact gradient is zero, is one such element everywhere. A real bug
 (a chunk in the wrong place, a missing sum) is off by orders of magnitude.
-Chunk counts 2, 3 and 5 are used: at seq 12 (6 tokens per rank under SP) 5 divides neither,
-so the layers fall back to 4 or 3 chunks (`num_chunks`). The one Trainer-level case is the
-"tp2-sp-overlap" layout of test_trainer_parallel.py.
+Chunk counts 1 (the default: each GEMM split by rank only), 2, 3 and 5 are used: at seq 12 (6
+tokens per rank under SP) 5 divides neither, so the layers fall back to 4 or 3 chunks
+(`num_chunks`). The one Trainer-level case is the "tp2-sp-overlap" layout of test_trainer_parallel.py.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ CHUNKED = {"column": {True: "reduce_scatter", False: "all_reduce"},  # backward'
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "gloo"])
-@pytest.mark.parametrize("batch,seq,chunks", [(2, 12, 2), (2, 12, 3), (1, 12, 5), (3, 4, 4)])
+@pytest.mark.parametrize("batch,seq,chunks", [(2, 12, 1), (2, 12, 2), (2, 12, 3), (1, 12, 5), (3, 4, 4)])
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "tp"])
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_overlapped_layer_equals_the_plain_layer(pool, kind, sp, chunks, batch, seq, direct):
@@ -197,7 +197,7 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("chunks", [2, 3, 5])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 5])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_overlap_matches_plain_tp_loss_grads_and_steps(pool, name, chunks):
     style, block, sp, fuse, recompute = MODELS[name]
