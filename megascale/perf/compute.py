@@ -9,9 +9,10 @@ costed here too because they sit between those GEMMs:
   row-parallel one (forward; the mirror image in backward); without it, an all-reduce.
 * the parallel block (y = x + Attn(LN x) + MLP(LN x)) shares one LayerNorm, one all-gather
   and one reduce-scatter between attention and MLP: half the TP traffic of the sequential one.
-* `tp_overlap` (MegaScale sec. 3.2): the all-gather / reduce-scatter is cut into tp chunks
-  pipelined against the GEMM it feeds or follows, so a pair costs
-  max(comm, gemm) + min(comm, gemm) / tp instead of comm + gemm.
+* `tp_overlap` (MegaScale sec. 3.2), as the runtime runs it by default (parallel/tensor/overlap.py,
+  one chunk split by rank): the GEMM rows of this rank's own shard run under the all-gather that
+  feeds the rest, or under the reduce-scatter of the rest, and a column layer's backward
+  reduce-scatter also under the weight gradient; a collective costs max(0, comm - that window).
 
 The GEMM FLOPs written here equal `perf.flops.forward_flops_per_token` (tests check it);
 attention GEMMs are scaled by the causal / sliding-window fraction of keys attended.
@@ -131,17 +132,18 @@ def elementwise_bytes(
     return elems * tokens * bpe, kernels
 
 
-def tp_calls_per_layer(tp: int, parallel_block: bool, sp: bool, tp_overlap: bool) -> int:
+def tp_calls_per_layer(tp: int, parallel_block: bool) -> int:
     """TP collective calls of one layer in each direction on one rank: one next to each GEMM group but
-    the attention core's (layer_gemms), each cut into tp chunks by the TP overlap under SP."""
+    the attention core's (layer_gemms), with or without SP; the TP overlap's one chunk (split by rank)
+    keeps one each."""
     if tp == 1:
         return 0
-    return (2 if parallel_block else 4) * (tp if tp_overlap and sp else 1)
+    return 2 if parallel_block else 4
 
 
-def _overlap(comm: float, gemm: float, chunks: int) -> float:
-    """Exposed part of a collective chunked against a GEMM (time of the pair minus the GEMM)."""
-    return max(comm, gemm) + min(comm, gemm) / max(chunks, 1) - gemm
+def _overlap(comm: float, window: float) -> float:
+    """Exposed part of a collective with `window` seconds of GEMM running under it."""
+    return max(0.0, comm - window)
 
 
 def layer_cost(
@@ -201,8 +203,12 @@ def layer_cost(
         fwd_comm += cf
         bwd_comm += cb
         if tp_overlap and sp:
-            fwd_exp += _overlap(cf, gf, tp)
-            bwd_exp += _overlap(cb, gb, tp)
+            # forward: the own rows' GEMMs. Backward (gb: input and weight gradients, about half each):
+            # a column layer's reduce-scatter of its input gradient has the own rows' and the weight
+            # gradient under it; a row layer's all-gather of the output gradient only the own rows'
+            fwd_exp += _overlap(cf, gf / tp)
+            column = i == 0 or (not parallel_block and i == 3)
+            bwd_exp += _overlap(cb, gb / (2 * tp) + (gb / 2 if column else 0.0))
         else:
             fwd_exp += cf
             bwd_exp += cb
@@ -214,7 +220,7 @@ def layer_cost(
     # collectives: the modules' and autograd's, the tensor-parallel functions' around each call.
     base = fwd + bwd - gemm_fwd - gemm_bwd
     extra = (dev.curve.in_place_factor if tp == 1 else dev.curve.in_place_factor_tp) - 1.0
-    tp_host = tp_calls_per_layer(tp, parallel_block, sp, tp_overlap) * dev.curve.host_tp_call_s
+    tp_host = tp_calls_per_layer(tp, parallel_block) * dev.curve.host_tp_call_s
     fwd = dev.with_host(fwd + extra * (fwd - gemm_fwd), dev.curve.host_layer_fwd_s + tp_host)
     bwd = dev.with_host(bwd + extra * (bwd - gemm_bwd), dev.curve.host_layer_bwd_s + tp_host)
     if recompute:  # the backward first reruns the forward, collectives included

@@ -86,7 +86,7 @@ def measure(device: str, dtype: str, dev: DeviceModel, clock: str = "wall", roun
     times = {tp: _run(tp, device, dtype, clock, rounds, steps) for tp in (1, 2)}
     fits = {tp: fit(dev, tp, got) for tp, got in times.items() if got}
     one, two = fits[1], fits.get(2)
-    calls = 2 * compute.tp_calls_per_layer(2, parallel_block=False, sp=True, tp_overlap=False)
+    calls = 2 * compute.tp_calls_per_layer(2, parallel_block=False)
     out = {"host_layer_fwd_s": FORWARD_SHARE * one["H"], "host_layer_bwd_s": (1 - FORWARD_SHARE) * one["H"],
            "host_microbatch_s": one["B"], "host_step_s": one["S"], "host_layer_step_s": one["P"],
            "host_tp_call_s": max(0.0, two["H"] - one["H"]) / calls if two else 0.0,
