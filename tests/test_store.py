@@ -182,6 +182,7 @@ def test_check(store):
 def test_extended_api(store, peer):
     assert store.has_extended_api()
     store.append("log", "a")
+    assert store.get("log") == b"a"  # append has no reply either: a round trip applies it before the peer's
     peer.append("log", b"bc")
     store.multi_set(["m1", "m2"], ["one", b"two"])
     assert peer.multi_get(["m2", "log", "m1"]) == [b"two", b"abc", b"one"]
