@@ -92,15 +92,17 @@ def _save(ctx, ov: Overlap, tp: int, amp, *tensors: Tensor) -> None:
 
 def _reduce_scatter_rows(flight: Flight, ov: Overlap, parts: Tensor, rows) -> Tensor:
     """Issue the reduce-scatter of one chunk, `parts` (tp, ...) stacked by the rank each slot goes to,
-    `rows(r)` computing slot r; returns where this rank's sum lands.
+    `rows(r)` computing slot r (r an index or a slice); returns where this rank's sum lands.
 
     With direct sends only the peers' slots must exist when the exchange starts, and the sum lands in
     this rank's own slot, added to in rank order at the wait, as the plain path adds: the own slot is
     computed later (`_own_rows_last`), under the exchanges in flight. A backend's collective reads its
     whole input while it runs, so there every slot is computed first, the sum goes to a tensor of its own."""
-    tp = parts.shape[0]
-    for r in ov.peers(tp) if ov.direct else range(tp):
-        parts[r].copy_(rows(r))
+    if ov.direct:
+        for r in ov.peers(parts.shape[0]):
+            parts[r].copy_(rows(r))
+    else:
+        parts.copy_(rows(slice(None)))  # every slot in one GEMM
     out = parts[ov.rank] if ov.direct else parts.new_empty(parts.shape[1:])
     flight.reduce_scatter(out, parts)
     return out
@@ -198,9 +200,9 @@ class _RowReduceScatter(torch.autograd.Function):
         if s % tp:
             raise ValueError(f"dimension 1 of size {s} does not split over tp={tp}")
         c = num_chunks(s // tp, chunks)
-        dev, amp, amp_dtype = _amp_state(x)
+        amp = _amp_state(x)
         # every chunk's GEMM results, stacked by the rank each slot's sum goes to
-        parts = x.new_empty((c, tp, bsz, s // (tp * c), w.shape[0]), dtype=amp_dtype if amp else x.dtype)
+        parts = x.new_empty((c, tp, bsz, s // (tp * c), w.shape[0]), dtype=amp[2] if amp[1] else x.dtype)
         flight, out = Flight(ov), []
         for i in range(c):
             xi = _gathered_order(x, i, c, tp)  # (tp, b, chunk, in): the rows of each rank's slot
@@ -208,7 +210,7 @@ class _RowReduceScatter(torch.autograd.Function):
         _own_rows_last(ov, parts, lambda i: F.linear(_gathered_order(x, i, c, tp)[ov.rank], w))
         flight.wait_all()
         ctx.chunks = c
-        _save(ctx, ov, tp, _amp_state(x), x, w)
+        _save(ctx, ov, tp, amp, x, w)
         return torch.cat(out, 1)
 
     @staticmethod

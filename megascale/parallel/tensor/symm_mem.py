@@ -85,9 +85,10 @@ class _GatherColumn(torch.autograd.Function):
     def forward(ctx, x, w, b, group_name):
         dt = _compute_dtype(x)
         gather, _ = _ops()
-        xg, (y,) = gather(x.to(dt), [w.to(dt).t()], 1, group_name)
+        w_c = w.to(dt)  # one cast (a copy under autocast), for the GEMM and the backward
+        xg, (y,) = gather(x.to(dt), [w_c.t()], 1, group_name)
         ctx.group_name, ctx.dtypes, ctx.has_bias = group_name, (x.dtype, w.dtype), b is not None
-        ctx.save_for_backward(xg, w.to(dt))
+        ctx.save_for_backward(xg, w_c)
         return y if b is None else y + b.to(dt)
 
     @staticmethod
