@@ -36,7 +36,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     _require(args.mbit is not None)
     # Blocked before the cluster exists, so a Ctrl-C while it is built still ends in the teardown below.
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP)
-    with netns.SimCluster(args.hosts, mbit=args.mbit, burst_kb=args.burst_kb, name=args.name) as c:
+    with netns.SimCluster(args.hosts, mbit=args.mbit, burst_kb=args.burst_kb, name=args.name,
+                           mtu=args.mtu) as c:
         print(c.describe())
         if args.store != "none":
             print(f"store: {c.start_store(args.store)}")
@@ -109,6 +110,7 @@ def main() -> int:
     up.add_argument("--hosts", type=int, default=2)
     up.add_argument("--mbit", type=float, default=None, help="limit every link to this many Mbit/s each way")
     up.add_argument("--burst-kb", type=float, default=None, help="tbf burst (default: 1 ms at the rate)")
+    up.add_argument("--mtu", type=int, default=None, help="every link's MTU (default 1500)")
     up.add_argument("--store", choices=["none", "tcp", "redis"], default="none",
                     help="start a TCPStore or redis-server on h0's address")
     up.add_argument("--name", default=None, help="the cluster id (namespace prefix); default ms + 6 hex")

@@ -28,6 +28,12 @@ differences of such medians, so a single figure says little without it.
 The pp overlap is parallel.pp_overlap with one 1F1B warm-up forward ahead (parallel.pp_warmup_ahead=1,
 `--pp-ahead`): posting receives early cannot shorten the steady phase's round trip (an activation out,
 the next stage's forward and backward, its gradient back), running a forward ahead can.
+The links' MTU is loopback's size, 65520 (`--mtu 1500` for Ethernet's): a link's packets cost the
+machine's CPU (the bridge forwards each, TCP acknowledges every two), CPU a real NIC spends in
+hardware and that here comes out of the compute beside an overlap. 200 MB over one 1 Gbit/s link
+cost 0.73 ms of kernel CPU a MB at 65520, 1.07-1.27 at 9000, 1.27-1.33 at 1500; `--dims dp --rounds
+5`, four pairs alternated in one sitting: H 76, 85, 68, 78% at 65520, 64, 68, 71, 68% at 1500
+(exposed dp 12-16 ms, 14-21 ms).
 Where every rank can have a core of its own (the 2-rank dimensions on 2 cores) each is bound to one, as a
 real host has its own (`--no-pin`: left to the scheduler, as the 4- and 8-rank runs always are).
 `--tail-buckets 1` and `--gloo-collectives` turn off the dp refinements (parallel.dp_tail_buckets,
@@ -718,6 +724,7 @@ def main() -> int:
     p.add_argument("--dims", nargs="*", default=list(DIMS), choices=list(DIMS),
                    help="the dimensions to measure (none: only --ablation)")
     p.add_argument("--mbit", type=float, default=1000.0, help="each host's link, tc tbf")
+    p.add_argument("--mtu", type=int, default=65520, help="the links' MTU (see above)")
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant and turn")
     p.add_argument("--rounds", type=int, default=6, help="rounds of the variants' turns")
     p.add_argument("--ablation-rounds", type=int, default=3, help="sweeps of the ablation's rows")
@@ -784,9 +791,9 @@ def main() -> int:
     hosts = 8 if a.ablation else max(DIMS[d][1] for d in a.dims)
     print(f"GPT {a.layers} layers, d_model {a.d_model}, seq {a.seq}, global batch {a.batch} in micro-batches "
           f"of {a.micro} (dp alone: {a.dp_micro or a.batch // 2}); one rank per host, links {a.mbit:.0f} "
-          f"Mbit/s (tc tbf); {a.rounds} rounds of the variants' turns of 1 + {a.steps} steps after "
-          f"{a.warmup}, medians of the timed steps", flush=True)
-    with netns.SimCluster(hosts, mbit=a.mbit) as cluster, tempfile.TemporaryDirectory() as tmp:
+          f"Mbit/s (tc tbf), MTU {a.mtu}; {a.rounds} rounds of the variants' turns of 1 + {a.steps} steps "
+          f"after {a.warmup}, medians of the timed steps", flush=True)
+    with netns.SimCluster(hosts, mbit=a.mbit, mtu=a.mtu) as cluster, tempfile.TemporaryDirectory() as tmp:
         base = a.keep or tmp  # --keep: the runs' directories (traces, metrics) stay for a look
         a.forward.append(f"--base={base}")
         for i, dim in enumerate(a.dims):

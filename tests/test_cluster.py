@@ -128,6 +128,49 @@ def test_tbf_limits_the_bandwidth_of_each_link_both_ways(request):
     assert up > 3 * fast and down > 3 * fast
 
 
+# Host 1 sends one UDP datagram of N bytes to host 0 with "don't fragment" set: it leaves whole or
+# not at all (EMSGSIZE: larger than the link's MTU); host 0 says whether it arrived, and its size.
+DATAGRAM = r"""
+import socket, sys
+kind, addr, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+if kind == "recv":
+    s.bind((addr, 5001)); s.settimeout(20); print("ready", flush=True)
+    print(len(s.recv(1 << 16)), flush=True)
+else:
+    s.setsockopt(socket.IPPROTO_IP, 10, 2)  # IP_MTU_DISCOVER = IP_PMTUDISC_DO: never fragment
+    try:
+        s.sendto(bytes(n), (addr, 5001)); print("sent")
+    except OSError as e:
+        print("EMSGSIZE" if e.errno == 90 else e)
+"""
+
+
+@pytest.mark.parametrize("mtu", [None, 9000], ids=["default", "jumbo"])
+def test_mtu_sets_every_link_of_the_path(request, mtu):
+    """mtu= reaches both ends of each veth and the bridge: an 8000-byte datagram crosses unfragmented
+    with 9000 and is refused with the default 1500."""
+    c = make_cluster(request, hosts=2, mbit=1000, mtu=mtu)
+    for h in range(2):
+        link = json.loads(c.run(h, ["ip", "-j", "link", "show", netns.IFNAME], timeout=10, check=True).stdout)
+        assert link[0]["mtu"] == (mtu or 1500)
+    recv = c.popen(0, [PY, "-c", DATAGRAM, "recv", c.addr(0), "0"], stdout=subprocess.PIPE, text=True)
+    assert recv.stdout.readline().strip() == "ready"
+    sent = c.run(1, [PY, "-c", DATAGRAM, "send", c.addr(0), "8000"], timeout=30, check=True).stdout.strip()
+    if mtu:
+        assert sent == "sent"
+        assert recv.stdout.readline().strip() == "8000"
+    else:
+        assert sent == "EMSGSIZE"
+        recv.kill()
+    recv.wait(timeout=30)
+    with pytest.raises(ValueError, match="mtu must be"):
+        netns.SimCluster(2, mtu=70000)
+    if mtu:
+        with pytest.raises(ValueError, match="below one packet"):
+            c.shape(0, 1000, burst_kb=4)  # a bucket in which tbf would drop every 9000-byte packet
+
+
 @pytest.mark.parametrize("ifname", [True, False], ids=["GLOO_SOCKET_IFNAME", "hostname"])
 def test_gloo_all_reduce_across_two_hosts(sim_cluster, ifname):
     """2 hosts x 2 ranks. Without GLOO_SOCKET_IFNAME gloo binds what the hostname resolves to:
