@@ -30,10 +30,10 @@ The pp overlap is parallel.pp_overlap with one 1F1B warm-up forward ahead (paral
 the next stage's forward and backward, its gradient back), running a forward ahead can.
 The links' MTU is loopback's size, 65520 (`--mtu 1500` for Ethernet's): a link's packets cost the
 machine's CPU (the bridge forwards each, TCP acknowledges every two), CPU a real NIC spends in
-hardware and that here comes out of the compute beside an overlap. 200 MB over one 1 Gbit/s link
-cost 0.73 ms of kernel CPU a MB at 65520, 1.07-1.27 at 9000, 1.27-1.33 at 1500; `--dims dp --rounds
-5`, four pairs alternated in one sitting: H 76, 85, 68, 78% at 65520, 64, 68, 71, 68% at 1500
-(exposed dp 12-16 ms, 14-21 ms).
+hardware and that here comes out of the compute beside an overlap. 150 MB over one 1 Gbit/s link,
+three transfers each, cost 0.73 ms of kernel CPU a MB at MTU 65000, 1.07-1.27 at 9000, 1.27-1.33 at
+1500; `--dims dp --rounds 5`, four pairs alternated in one sitting: H 76, 85, 68, 78% at 65520, 64, 68,
+71, 68% at 1500 (exposed dp 12-16 ms, 14-21 ms).
 Where every rank can have a core of its own (the 2-rank dimensions on 2 cores) each is bound to one, as a
 real host has its own (`--no-pin`: left to the scheduler, as the 4- and 8-rank runs always are).
 `--tail-buckets 1` and `--gloo-collectives` turn off the dp refinements (parallel.dp_tail_buckets,
