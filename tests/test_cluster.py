@@ -148,7 +148,7 @@ else:
 
 @pytest.mark.parametrize("mtu", [None, 9000], ids=["default", "jumbo"])
 def test_mtu_sets_every_link_of_the_path(request, mtu):
-    """mtu= reaches both ends of each veth and the bridge: an 8000-byte datagram crosses unfragmented
+    """mtu= reaches both ends of every veth: an 8000-byte datagram crosses the bridge unfragmented
     with 9000 and is refused with the default 1500."""
     c = make_cluster(request, hosts=2, mbit=1000, mtu=mtu)
     for h in range(2):
