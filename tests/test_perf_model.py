@@ -11,7 +11,7 @@ from megascale.errors import UserError
 from megascale.perf import collectives, compute, memory, pipeline
 from megascale.perf.calibrate import fit
 from megascale.perf.flops import forward_flops_per_token
-from megascale.perf.gemm import shape_efficiency
+from megascale.perf.gemm import DeviceModel, shape_efficiency
 from megascale.perf.presets import GemmCurve, Link, builtin_names, load_preset
 
 
@@ -85,8 +85,6 @@ def test_calibration_fit_recovers_a_known_curve():
 def test_tp_overlap_hides_communication_but_not_more_than_the_gemm():
     cfg = small(d_model=1024, n_heads=8, seq_len=1024)
     a100 = load_preset("a100", use_calibration=False)
-    from megascale.perf.gemm import DeviceModel
-
     dev = DeviceModel.from_preset(a100, 2)
     off = compute.layer_cost(cfg, dev, 1, 8, True, a100.intra, False, False, False)
     on = compute.layer_cost(cfg, dev, 1, 8, True, a100.intra, False, True, False)
@@ -104,8 +102,6 @@ def test_tp_overlap_hides_the_own_rows_and_the_column_wgrad_as_the_runtime_runs_
     under a column layer's reduce-scatter, the whole weight-gradient GEMM."""
     cfg, tp = small(d_model=256, n_heads=8, seq_len=256), 4
     a100 = load_preset("a100", use_calibration=False)
-    from megascale.perf.gemm import DeviceModel
-
     dev = DeviceModel.from_preset(a100, 1)
     slow = Link(bandwidth=1e6)
     off, on = (compute.layer_cost(cfg, dev, 1, tp, True, slow, parallel_block, ov, False)

@@ -77,7 +77,7 @@ _DEFAULT_ID_RE = re.compile(r"^ms[0-9a-f]{6}$")  # what SimCluster names a clust
 _NS_RE = re.compile(r"^([a-z][a-z0-9]{1,11})-(sw|h\d+)$")
 _TBF_LATENCY_MS = 100  # how long a packet may queue in tbf: sets its queue length
 _MAX_HOSTS = 250  # .1 .. .250 of the /24
-_MIN_MTU, _MAX_MTU = 1280, 65535  # IPv4 needs far less; veth and the bridge take up to 65535
+_MTU, _MIN_MTU, _MAX_MTU = 1500, 1280, 65535  # Ethernet's default; IPv4 needs far less; veth's limit
 _KILL_ROUNDS = 20  # kill passes: a process that forks as it dies is caught on a later pass
 _GONE_S = 10.0  # how long to wait for killed processes to disappear
 _YOUNG_S = 30.0  # a switch namespace without its mark this young may be one being built now
@@ -357,7 +357,7 @@ class SimCluster:
             raise ValueError(f"name must match {_ID_RE.pattern} (it prefixes namespace names), got {name!r}")
         if mtu is not None and not _MIN_MTU <= mtu <= _MAX_MTU:
             raise ValueError(f"mtu must be {_MIN_MTU}..{_MAX_MTU}, got {mtu}")
-        self.hosts, self.mbit, self.mtu = hosts, mbit, mtu
+        self.hosts, self.mbit, self.mtu = hosts, mbit, mtu or _MTU
         self.id = name or _new_id()
         if any(ns.startswith(self.id + "-") for ns in namespaces()):
             raise RuntimeError(f"namespaces named {self.id}-* exist already (`ip netns list`)")
@@ -447,7 +447,7 @@ class SimCluster:
         _no_ipv6(ns)  # before the veth exists: it takes the namespace's default
         _ip(ns, "link", "set", "lo", "up")
         # The MTU on both ends (a veth's peer does not inherit it); the bridge forwards by its ports' MTU.
-        mtu = ["mtu", str(self.mtu)] if self.mtu else []
+        mtu = ["mtu", str(self.mtu)]
         _ip(sw, "link", "add", port, *mtu, "type", "veth", "peer", "name", IFNAME, "netns", ns, *mtu)
         _ip(sw, "link", "set", port, "master", BRIDGE)
         _ip(sw, "link", "set", port, "up")
@@ -483,9 +483,8 @@ class SimCluster:
         # computation an overlap runs beside it); with 128 KiB, 5 ms.
         if burst_kb is None:
             burst_kb = max(128.0, mbit * 1e6 / 8 / 1000 / 1024)
-        if burst_kb * 1024 < (self.mtu or 1500):  # tbf drops a packet its bucket cannot hold
-            raise ValueError(f"burst_kb {burst_kb:g} is below one packet of the links' MTU "
-                             f"({self.mtu or 1500} bytes)")
+        if burst_kb * 1024 < self.mtu:  # tbf drops a packet its bucket cannot hold
+            raise ValueError(f"burst_kb {burst_kb:g} is below one packet of the MTU, {self.mtu} bytes")
         args = ["root", "tbf", "rate", f"{mbit:g}mbit", "burst", f"{burst_kb:g}kb",
                 "latency", f"{_TBF_LATENCY_MS}ms"]
         _tc(self.ns(h), "qdisc", "replace", "dev", IFNAME, *args)

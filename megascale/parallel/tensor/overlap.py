@@ -201,8 +201,9 @@ class _RowReduceScatter(torch.autograd.Function):
             raise ValueError(f"dimension 1 of size {s} does not split over tp={tp}")
         c = num_chunks(s // tp, chunks)
         amp = _amp_state(x)
+        _, amp_on, amp_dtype = amp
         # every chunk's GEMM results, stacked by the rank each slot's sum goes to
-        parts = x.new_empty((c, tp, bsz, s // (tp * c), w.shape[0]), dtype=amp[2] if amp[1] else x.dtype)
+        parts = x.new_empty((c, tp, bsz, s // (tp * c), w.shape[0]), dtype=amp_dtype if amp_on else x.dtype)
         flight, out = Flight(ov), []
         for i in range(c):
             xi = _gathered_order(x, i, c, tp)  # (tp, b, chunk, in): the rows of each rank's slot
