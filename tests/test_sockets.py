@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import time
@@ -165,6 +166,99 @@ def _stranger(rank: int):
 def test_a_connection_from_another_attempt_is_dropped(pool):
     stranger_delivered, value = pool.run(_stranger)[0]
     assert not stranger_delivered and value == 3.0
+
+
+@contextlib.contextmanager
+def _no_idle_reader():
+    """The idle reader never looks (what is not waited for stays in the socket): what reads shows."""
+    from megascale.distributed import sockets
+
+    before, sockets._IDLE_CHECK_S = sockets._IDLE_CHECK_S, 3600.0
+    try:
+        yield
+    finally:
+        sockets._IDLE_CHECK_S = before
+
+
+def _who_reads(rank: int):
+    """Rank 1 sends rank 0 a large and then a small message, both posted for: the reader reads the
+    large one ahead (and stops: nothing large is left to read ahead for), the small one its wait."""
+    from megascale.distributed import sockets
+
+    with _no_idle_reader():
+        return _who_reads_here(rank, sockets._PULL_BYTES // 4 + 1)
+
+
+def _who_reads_here(rank: int, large: int):
+    t = _transport(rank)
+    small = 1024  # elements: float32
+    out = None
+    if rank == 0:
+        got_small, got_large = torch.empty(small), torch.empty(large)
+        h_small, h_large = t.irecv(got_small, 1, 1), t.irecv(got_large, 1, 2)
+        dist.barrier()
+        dist.barrier()  # both messages sent
+        deadline = time.monotonic() + 30
+        while not h_large.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)  # no wait: the reader reads it ahead
+        out = {"large_read_ahead": h_large.is_completed(), "small_read_ahead": h_small.is_completed()}
+        h_small.wait(60)  # the wait reads it (the idle reader never looks)
+        h_large.wait(60)
+        out["right"] = (torch.equal(got_small, torch.arange(small, dtype=torch.float32)),
+                        torch.equal(got_large, -torch.arange(large, dtype=torch.float32)))
+    elif rank == 1:
+        dist.barrier()
+        t.isend(-torch.arange(large, dtype=torch.float32), 0, 2).wait(60)
+        t.isend(torch.arange(small, dtype=torch.float32), 0, 1).wait(60)
+        dist.barrier()
+    else:
+        dist.barrier()
+        dist.barrier()
+    dist.barrier()
+    t.close()
+    return out
+
+
+def test_a_small_receive_is_read_by_its_wait_a_large_one_by_the_reader_ahead(pool):
+    out = pool.run(_who_reads)[0]
+    assert out["large_read_ahead"] and not out["small_read_ahead"]
+    assert out["right"] == (True, True)
+
+
+def _mid_message(rank: int):
+    """A peer that stops in the middle of a message its receiver's wait is reading: the wait fails at
+    its timeout, and so does every later receive from it (the stream is out of step), naming the peer."""
+    with _no_idle_reader():  # else the idle reader takes the message, and holds the connection
+        return _mid_message_here(rank)
+
+
+def _mid_message_here(rank: int):
+    t = _transport(rank)
+    out = None
+    if rank == 0:
+        h = t.irecv(torch.empty(4), 1, 2)
+        host, port = t._listener.getsockname()[:2]
+        with socket.create_connection((host, port)) as s:  # rank 1's connection, as far as the hello goes
+            s.sendall(_HELLO.pack(t.nonce, 1) + _HEADER.pack(2, 16) + b"\0" * 8)
+            t0 = time.monotonic()
+            try:
+                h.wait(0.3)
+            except TransportError as e:
+                out = [str(e), time.monotonic() - t0]
+            try:
+                t.irecv(torch.empty(4), 1, 3).wait(0.3)
+            except TransportError as e:
+                out.append(str(e))
+    dist.barrier()
+    t.close()
+    return out
+
+
+def test_a_wait_that_times_out_inside_a_message_fails_the_connection(pool):
+    first, waited, later = pool.run(_mid_message)[0]
+    assert "receive with rank 1 failed" in first and "timed out in the middle of a message" in first
+    assert waited < 5
+    assert "connection from rank 1 lost" in later
 
 
 def _mesh_routes(rank: int):
