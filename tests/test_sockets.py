@@ -173,11 +173,12 @@ def _no_idle_reader():
     """The idle reader never looks (what is not waited for stays in the socket): what reads shows."""
     from megascale.distributed import sockets
 
-    before, sockets._IDLE_CHECK_S = sockets._IDLE_CHECK_S, 3600.0
+    before = sockets._IDLE_CHECK_S, sockets._IDLE_CHECK_MAX_S
+    sockets._IDLE_CHECK_S = sockets._IDLE_CHECK_MAX_S = 3600.0
     try:
         yield
     finally:
-        sockets._IDLE_CHECK_S = before
+        sockets._IDLE_CHECK_S, sockets._IDLE_CHECK_MAX_S = before
 
 
 def _who_reads(rank: int):
@@ -259,6 +260,33 @@ def test_a_wait_that_times_out_inside_a_message_fails_the_connection(pool):
     assert "receive with rank 1 failed" in first and "timed out in the middle of a message" in first
     assert waited < 5
     assert "connection from rank 1 lost" in later
+
+
+def _broken_early(rank: int):
+    """A peer whose connection ends inside a message nobody has posted for yet (the idle reader was
+    reading it): the receive posted for it later fails at once, naming the peer."""
+    t = _transport(rank)
+    out = None
+    if rank == 0:
+        host, port = t._listener.getsockname()[:2]
+        with socket.create_connection((host, port)) as s:
+            s.sendall(_HELLO.pack(t.nonce, 1) + _HEADER.pack(2, 16) + b"\0" * 8)
+            time.sleep(0.2)  # the idle reader takes the first half
+        time.sleep(0.2)  # ... and meets the end
+        t0 = time.monotonic()
+        try:
+            t.irecv(torch.empty(4), 1, 2).wait(30)
+        except TransportError as e:
+            out = (str(e), time.monotonic() - t0)
+    dist.barrier()
+    t.close()
+    return out
+
+
+def test_a_receive_of_a_message_cut_off_by_a_lost_connection_fails_at_once(pool):
+    msg, waited = pool.run(_broken_early)[0]
+    assert "receive with rank 1 failed" in msg and "connection from rank 1 lost" in msg
+    assert waited < 10  # not the 30 s timeout
 
 
 def _mesh_routes(rank: int):

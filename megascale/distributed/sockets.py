@@ -36,14 +36,15 @@ Design.
   reader thread instead cost far more than the bytes: the reader is woken on the rank's core (an
   IPI from the sender's), takes the GIL, wakes the waiter; on a 2-core VM a 128 KiB all-gather
   took ~350 us of CPU that way against ~80 us for a raw send and receive by the main thread, and
-  `benchmarks/overlap.py --dims tp`'s GEMMs ran 1.43x slower than with no communication, 1.28x
-  after (H 10% -> 33%). Larger receives (DP's buckets) are read by the connection's reader
-  thread as their bytes arrive, so they move during the compute whatever the socket buffers
-  hold. An idle reader also looks every _IDLE_CHECK_S for what nobody waits for yet (a message
-  before its receive is posted), so that a sender is never held up for long by a full buffer.
+  `benchmarks/overlap.py --dims tp`'s GEMMs ran 1.43-1.49x slower than with no communication,
+  1.28-1.37x after (H 7.5-10.2% -> 17.9-33.2%, three runs each, alternated). Larger receives
+  (DP's buckets) are read by the connection's reader thread as their bytes arrive, so they move
+  during the compute whatever the socket buffers hold. An idle reader also looks now and then
+  (_IDLE_CHECK_S) for what nobody has read since its last look (a message before its receive is
+  posted), so that a sender is never held up for long by a full buffer.
 - Failure: a connection that closes or errs fails every pending and later receive from (or send
   to) that peer, naming it, once a wait or the reader reads its end (a wait at once, the idle
-  reader within _IDLE_CHECK_S). A wait takes the group's collective timeout, like gloo's, and
+  reader within _IDLE_CHECK_MAX_S). A wait takes the group's collective timeout, like gloo's, and
   fails with "timed out" (what observe/session.py reads as a hang); one that times out inside a
   message fails the connection, whose stream is then out of step.
 - Addresses: a rank listens on the interface through which it reaches MASTER_ADDR, on a port the
@@ -73,7 +74,10 @@ _CONNECT_TIMEOUT_S = 60.0
 # Receives up to this size are read by the thread that waits for them (see "Who reads" above); larger
 # ones (DP's buckets) by the connection's reader as their bytes arrive, so that they move during compute
 _PULL_BYTES = 512 * 1024
-_IDLE_CHECK_S = 0.02  # how often an idle reader drains what nobody waits for (the senders go on)
+# How often an idle reader looks for a connection that has data nobody read since its last look (a
+# message before its receive is posted: its sender may wait for room in the buffer): every 20 ms after
+# it found one, backing off to 320 ms while it finds none (each look takes the GIL from the compute)
+_IDLE_CHECK_S, _IDLE_CHECK_MAX_S = 0.02, 0.32
 
 
 class TransportError(dist.DistBackendError):
@@ -267,6 +271,7 @@ class _Inbound:
         self.sock: socket.socket | None = None  # once the peer has connected
         self.reading = threading.Lock()  # held by the thread reading a message from the socket
         self.large = 0  # posted receives of more than _PULL_BYTES: the reader reads ahead for them
+        self.reads = 0  # messages read from the connection so far (by anyone)
         self.changed = threading.Condition(lock)  # a large receive posted, the connection up or gone
 
 
@@ -316,8 +321,11 @@ class SocketTransport:
                         inbound.large += 1
                         inbound.changed.notify_all()
                 return handle
-            if not early.complete:  # still being read: its reader delivers it
-                early.claimed_by = (view, handle)
+            if not early.complete:  # still being read: whoever reads it delivers it
+                if inbound.error is not None:  # ... unless its connection broke off inside it
+                    handle._finish(inbound.error)
+                else:
+                    early.claimed_by = (view, handle)
                 return handle
         _deliver(early.data, view, handle)
         return handle
@@ -363,18 +371,26 @@ class SocketTransport:
         except (OSError, ConnectionError):
             sock.close()
             return
+        idle, seen = _IDLE_CHECK_S, -1
         try:
             while not self.closed and inbound.error is None:
                 with self._lock:
                     if not inbound.large:  # nothing to read ahead for: sleep, not woken by what arrives
-                        inbound.changed.wait(_IDLE_CHECK_S)
+                        inbound.changed.wait(idle)
                     ahead = inbound.large > 0
-                # reading ahead: wake at the first byte; idle: only what is there now (it may be that no
-                # one waits for it, and its sender's writes wait for room in the socket's buffer)
-                if not select.select([sock], [], [], None if ahead else 0)[0]:
+                if ahead:  # wake at the first byte, read the message
+                    if select.select([sock], [], [], None)[0]:
+                        with inbound.reading:
+                            if select.select([sock], [], [], 0)[0]:  # a wait may have read it meanwhile
+                                self._read_message(inbound, src, sock, None)
                     continue
-                with inbound.reading:
-                    if select.select([sock], [], [], 0)[0]:  # a wait may have read it meanwhile
+                stalled, seen = inbound.reads == seen, inbound.reads  # nobody read since the last look
+                if not (stalled and select.select([sock], [], [], 0)[0]):
+                    idle = min(2 * idle, _IDLE_CHECK_MAX_S)
+                    continue
+                idle = _IDLE_CHECK_S
+                with inbound.reading:  # drain what is there: its sender goes on
+                    while select.select([sock], [], [], 0)[0]:
                         self._read_message(inbound, src, sock, None)
             raise ConnectionError("the transport was closed")
         except (OSError, ValueError, ConnectionError) as e:  # ValueError: select on a closed socket
@@ -401,8 +417,9 @@ class SocketTransport:
                     self._read_message(inbound, src, inbound.sock, deadline)
             except _NotYet:
                 return False
-            except ConnectionError:
-                pass  # _read_message failed the receives on this connection, this one too
+            except ConnectionError as e:  # _read_message failed the receives on the connection ...
+                if not handle.is_completed():  # ... this one too, unless nothing it read was for it
+                    handle._finish(inbound.error or str(e))
             finally:
                 inbound.reading.release()
         return True
@@ -421,6 +438,7 @@ class SocketTransport:
             if got < len(header):
                 raise _Desync("timed out in the middle of a message header")
             key, n = _HEADER.unpack(header)
+            inbound.reads += 1  # under inbound.reading
             with self._lock:
                 posted = inbound.posted.get(key)
                 target = posted.popleft() if posted else None
