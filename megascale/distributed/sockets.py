@@ -37,7 +37,7 @@ Design.
   IPI from the sender's), takes the GIL, wakes the waiter; on a 2-core VM a 128 KiB all-gather
   took ~350 us of CPU that way against ~80 us for a raw send and receive by the main thread, and
   `benchmarks/overlap.py --dims tp`'s GEMMs ran 1.43-1.49x slower than with no communication,
-  1.28-1.37x after (H 7.5-10.2% -> 17.9-33.2%, three runs each, alternated). Larger receives
+  1.28-1.40x after (H 7.5-10.2% -> 10.7-33.2%, medians 9.3% -> 18.9%; 4 and 9 runs). Larger receives
   (DP's buckets) are read by the connection's reader thread as their bytes arrive, so they move
   during the compute whatever the socket buffers hold. An idle reader also looks now and then
   (_IDLE_CHECK_S) for what nobody has read since its last look (a message before its receive is
