@@ -17,6 +17,11 @@ transport, medians over `--repeats` bursts of `--burst` exchanges back to back:
   issue       of which the issuing thread's own CPU per all-gather (time.thread_time around the
               start calls: posting the receive, writing the send, which for a local peer runs the
               kernel's whole delivery path): what an overlap pays on its compute thread itself
+  one         one all-gather at a time beside one GEMM (issued, the GEMM, waited; `--burst` times), as
+              the tp overlap runs its collectives: how much longer each GEMM + all-gather took than
+              the GEMM alone. A burst shares its hand-offs between messages; one at a time pays
+              them all (on a 2-core VM a reader thread woken per message cost 70-140 us of it at
+              64-256 KiB, before small receives were read by their own wait, distributed/sockets.py)
 
     .venv/bin/python benchmarks/transport.py [--kib 4 64 256 1024] [--repeats 7] [--burst 20]
 """
@@ -95,6 +100,16 @@ def measure(world: int, a: argparse.Namespace) -> dict:
                 e.wait()
             return t, issued
 
+        def one_at_a_time(g, issue: bool, own=own, full=full) -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(a.burst):
+                ex = direct.start_all_gather(full, own, g) if issue else None
+                torch.mm(a_mat, a_mat)
+                if ex is not None:
+                    ex.wait()
+            return (time.perf_counter() - t0) / a.burst
+
         got: dict[str, dict[str, list[float]]] = {t: {} for t in TRANSPORTS}
         for g in groups.values():  # connections made, buffers touched
             swap(g), gather(g), beside(g, True)
@@ -111,6 +126,7 @@ def measure(world: int, a: argparse.Namespace) -> dict:
                 (alone, _), (with_comm, issued) = beside(g, False), beside(g, True)
                 rec.setdefault("stolen", []).append((with_comm - alone) / a.burst)
                 rec.setdefault("issue", []).append(issued)
+                rec.setdefault("one", []).append(one_at_a_time(g, True) - one_at_a_time(g, False))
         for name in TRANSPORTS:
             out[(kib, name)] = {k: statistics.median(v) for k, v in got[name].items()}
     p2p.close()
@@ -130,18 +146,18 @@ def main() -> int:
     got = run_on_gloo(2, measure, a)[0]
     print(f"2 ranks on loopback, one compute thread each; medians of {a.repeats} bursts of {a.burst}")
     print(f"{'KiB':>6} {'transport':9} {'swap us':>9} {'all-gather us':>14} {'cpu us':>8} {'stolen us':>10} "
-          f"{'issue us':>9} {'all-reduce us':>14}")
+          f"{'issue us':>9} {'all-reduce us':>14} {'one us':>7}")
     for kib in a.kib:
         for name in TRANSPORTS:
             r = got[(kib, name)]
             print(f"{kib:6d} {name:9} {r['swap'] * 1e6:9.0f} {r['all-gather'] * 1e6:14.0f} "
                   f"{r['cpu'] * 1e6:8.0f} {r['stolen'] * 1e6:10.0f} {r['issue'] * 1e6:9.0f} "
-                  f"{r['all-reduce'] * 1e6:14.0f}")
+                  f"{r['all-reduce'] * 1e6:14.0f} {r['one'] * 1e6:7.0f}")
         g, s = got[(kib, "gloo")], got[(kib, "sockets")]
         print(f"{kib:6d} {'ratio':9} {g['swap'] / s['swap']:9.2f} {g['all-gather'] / s['all-gather']:14.2f} "
               f"{g['cpu'] / s['cpu']:8.2f} {g['stolen'] / max(s['stolen'], 1e-9):10.2f} "
-              f"{g['issue'] / max(s['issue'], 1e-9):9.2f} {g['all-reduce'] / s['all-reduce']:14.2f}"
-              "  (gloo / sockets)")
+              f"{g['issue'] / max(s['issue'], 1e-9):9.2f} {g['all-reduce'] / s['all-reduce']:14.2f} "
+              f"{g['one'] / max(s['one'], 1e-9):7.2f}  (gloo / sockets)")
     return 0
 
 
