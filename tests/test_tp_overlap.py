@@ -19,6 +19,8 @@ tokens per rank under SP) 5 divides neither, so the layers fall back to 4 or 3 c
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from _dist import WorkerPool
@@ -181,6 +183,7 @@ def _model_parity(rank, style, block, sp, fuse, recompute, chunks, impl="chunked
     worst["weight"] = max((on[n] - p).abs().max().item() for n, p in off.items())
     overlapped = sum(getattr(m, "overlap", None) is not None and getattr(m, mode, "none") != "none"
                      for m in runs[1][0].modules() for mode in ("input_mode", "_output_mode"))
+    overlapped += sum(getattr(m, "branch_schedule", None) is not None for m in runs[1][0].modules())
     return worst, overlapped
 
 
@@ -191,6 +194,8 @@ MODELS = {
     "llama-sp": ("llama", "sequential", True, False, False),
     "llama-tp": ("llama", "sequential", False, False, False),
     "gpt-parallel-sp-fused": ("gpt", "parallel", True, True, False),  # the engine's parallel block
+    "llama-parallel-sp-fused": ("llama", "parallel", True, True, False),
+    "gpt-parallel-sp-fused-recompute": ("gpt", "parallel", True, True, True),  # backward replays the pairs
     "llama-parallel-tp-fused": ("llama", "parallel", False, True, False),
     "gpt-parallel-sp-unfused": ("gpt", "parallel", True, False, False),
     "llama-sp-recompute": ("llama", "sequential", True, False, True),  # backward replays the chunks
@@ -206,8 +211,24 @@ def test_overlap_matches_plain_tp_loss_grads_and_steps(pool, name, chunks):
     for w in (worst, worst1):
         assert max(w.values()) < STEP_TOL, w
     layers = _model_config(style, block).n_layers
-    # every block's 4 linears and the head; the fused parallel block keeps its shared collectives
-    assert overlapped == (1 if fuse else 4 * layers + 1)
+    # every block's 4 linears and the head; the fused parallel block's shared collectives under its
+    # MLP's own rows (branches.py: SP only, plain TP's all-reduces keep their place)
+    assert overlapped == ((1 + layers if sp else 1) if fuse else 4 * layers + 1)
+
+
+def _fused_block_schedules(rank, dropout):
+    mcfg = dataclasses.replace(_model_config("gpt", "parallel"), dropout=dropout)
+    mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=True))
+    factory = TPLayerFactory(mesh, sequence_parallel=True, overlap_chunks=1)
+    model = parallelize(GPT(mcfg, factory), factory)
+    return [b.branch_schedule is not None for b in model.blocks]
+
+
+def test_fused_parallel_block_keeps_its_collectives_in_place_with_residual_dropout(pool):
+    """branches.py draws the MLP branch per part: with residual dropout the masks would not be the fused
+    block's, so there the block runs its one all-gather and one reduce-scatter as without the overlap."""
+    assert pool.run(_fused_block_schedules, 0.0)[0] == [True, True]
+    assert pool.run(_fused_block_schedules, 0.1)[0] == [False, False]
 
 
 # ---------------------------------------------------------------------------------------

@@ -50,9 +50,14 @@ class Block(nn.Module):
         # half the collectives of the sequential block on the critical path).
         self.branch_in = nn.Identity()
         self.branch_out = nn.Identity()
+        # Or the whole of the two branches, (block, x) -> y, run as another schedule of the same
+        # sums: tensor parallelism's overlap of those two collectives (parallel/tensor/branches.py)
+        self.branch_schedule = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel:
+            if self.branch_schedule is not None:
+                return self.branch_schedule(self, x)
             h = self.branch_in(x)
             branches = self.drop_attn(self.attn(self.norm1(h))) + self.drop_mlp(self.mlp(self.norm2(h)))
             return x + self.branch_out(branches)

@@ -19,11 +19,14 @@ all-gather the sequence on entry and row layers reduce-scatter it on exit: the s
 plain TP's all-reduce (all-reduce = reduce-scatter + all-gather), in a different place.
 
 `overlap_chunks` > 0 (parallel.tp_overlap): the column and row layers pipeline those
-collectives with their GEMMs in chunks (overlap.py); the shared regions of the fused
-parallel block keep their one collective each.
+collectives with their GEMMs in chunks (overlap.py); the fused parallel block's one all-gather
+and one reduce-scatter run under its MLP's own rows instead (branches.py, gloo's direct sends
+and no residual dropout; elsewhere they stay as they are).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +35,7 @@ from megascale.config import ConfigError, ModelConfig
 from megascale.model.factory import EMBEDDING_STYLES, LINEAR_STYLES, Dropout, LayerFactory
 from megascale.ops.cross_entropy import vocab_parallel_chunked_cross_entropy
 from megascale.parallel.mesh import Mesh
-from megascale.parallel.tensor import comm
+from megascale.parallel.tensor import branches, comm
 from megascale.parallel.tensor.flight import overlap_settings
 from megascale.parallel.tensor.layers import (
     INPUT_MODES,
@@ -155,6 +158,9 @@ def parallelize(model: nn.Module, factory: TPLayerFactory, fuse_parallel_block: 
     for block in getattr(model, "blocks", ()) if mesh.tp > 1 else ():
         if fuse_parallel_block and getattr(block, "parallel", False) and hasattr(block, "branch_in"):
             fuse_branches(block, mesh, sp)  # its dropout acts on full-sequence partial sums: replicated
+            if branches.applies(block, factory.overlap, sp):  # its two collectives under its MLP's rows
+                block.branch_schedule = functools.partial(branches.overlapped_branches, ov=factory.overlap,
+                                                          tp=mesh.tp)
         elif sp:
             if factory.overlap is None:  # with overlap qkv gathers itself, under its own GEMM
                 gather_before_attention(block.attn, mesh)
