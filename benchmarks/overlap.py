@@ -83,9 +83,11 @@ sys.path.insert(0, str(ROOT))
 DIMS = {
     "dp": (["parallel.dp=2"], 2, ["dp_overlap_grad_reduce", "dp_overlap_param_gather"], ("dp",)),
     "pp": (["parallel.pp=2"], 2, ["pp_overlap"], ("pp",)),
-    "tp": (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, ["tp_overlap"], ("tp",)),
+    "tp": (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, ["tp_overlap", "tp_overlap_branches"],
+           ("tp",)),
     "all": (["parallel.dp=2", "parallel.pp=2"], 4,
-            ["dp_overlap_grad_reduce", "dp_overlap_param_gather", "pp_overlap", "tp_overlap"],
+            ["dp_overlap_grad_reduce", "dp_overlap_param_gather", "pp_overlap", "tp_overlap",
+             "tp_overlap_branches"],
             ("dp", "pp", "tp")),
 }
 VARIANTS = ("serial", "overlap", "nocomm")
@@ -111,8 +113,8 @@ def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> li
     micro = a.dp_micro or a.batch // world if dim == "dp" else a.micro
     return [
         f"model.n_layers={a.layers}", f"model.d_model={a.d_model}", "model.n_heads=4",
-        f"model.seq_len={a.seq}", "model.dropout=0.0", f"train.global_batch={a.batch}",
-        f"train.micro_batch={micro}", "train.steps=1000",
+        f"model.seq_len={a.seq}", "model.dropout=0.0", f"model.block={a.block}",
+        f"train.global_batch={a.batch}", f"train.micro_batch={micro}", "train.steps=1000",
         "train.eval_interval=0", "log.progress=false", "log.tensorboard=false", "log.sample_tokens=0",
         "log.peak_flops=1e9", "checkpoint.interval=0", "checkpoint.memory_interval=0",
         f"parallel.dp_bucket_size={a.bucket}", f"parallel.dp_tail_buckets={a.tail_buckets}",
@@ -322,8 +324,8 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
         m, p = cfg.model, cfg.parallel
         m.vocab_size = m.vocab_size or build_tokenizer(cfg.data.tokenizer).vocab_size
         settings = Settings("row", parallel_block=m.block == "parallel", tp_overlap=p.tp_overlap,
-                            pp_overlap=p.pp_overlap, dp_overlap=p.dp_overlap_grad_reduce,
-                            pp_warmup_ahead=p.pp_warmup_ahead)
+                            tp_overlap_branches=p.tp_overlap_branches, pp_overlap=p.pp_overlap,
+                            dp_overlap=p.dp_overlap_grad_reduce, pp_warmup_ahead=p.pp_warmup_ahead)
         lay = Layout(tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, micro_batch=cfg.train.micro_batch,
                      sequence_parallel=p.sequence_parallel)
         out.append(predict(m, lay, sim, settings, cfg.train.global_batch, policy="fp32", explain=True))
@@ -737,6 +739,8 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--micro", type=int, default=2, help="micro-batch of the pp, tp and all runs")
+    p.add_argument("--block", choices=("sequential", "parallel"), default="sequential",
+                   help="model.block of the dimensions' runs (the ablation sets its own)")
     p.add_argument("--dp-micro", type=int, default=0, help="micro-batch of the dp run (0: batch / dp)")
     p.add_argument("--bucket", type=int, default=500_000, help="parallel.dp_bucket_size")
     p.add_argument("--tail-buckets", type=int, default=4, help="parallel.dp_tail_buckets (1: off)")
@@ -774,7 +778,8 @@ def main() -> int:
         return 0
     a.forward = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
                  ("steps", "rounds", "ablation_rounds", "warmup", "layers", "d_model", "seq", "batch",
-                  "micro", "dp_micro", "bucket", "tail_buckets", "tp_chunks", "transport", "pp_ahead")]
+                  "micro", "dp_micro", "bucket", "tail_buckets", "tp_chunks", "transport", "pp_ahead",
+                  "block")]
     a.forward += ["--gloo-collectives"] if a.gloo_collectives else []
     a.forward += [] if a.pin else ["--no-pin"]
     a.forward += ["--ablation-rows", *map(str, a.ablation_rows)]

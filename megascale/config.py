@@ -102,6 +102,10 @@ class ParallelConfig:
     # how the sequence-parallel GEMMs overlap: "chunked" (ours, any backend), "symm_mem" (PyTorch's fused
     # symmetric-memory ops, CUDA), "auto" (symm_mem where the device has them); parallel/tensor/symm_mem.py
     tp_overlap_impl: str = "auto"
+    # with tp_overlap, the fused parallel block's all-gather and reduce-scatter under its MLP's own rows
+    # (parallel/tensor/branches.py; gloo's direct sends, no residual dropout). Off: on CPU it cost more
+    # than it hid (benchmarks/overlap.py --dims tp --block parallel), so the block keeps them in place
+    tp_overlap_branches: bool = False
 
     @property
     def world_size(self) -> int:

@@ -99,7 +99,8 @@ def test_tp_overlap_hides_the_own_rows_and_the_column_wgrad_as_the_runtime_runs_
     """On a link slow enough that every collective outlasts its GEMMs, the overlap hides exactly what
     parallel/tensor/overlap.py runs under the wire (one chunk split by rank): forward, the own rows'
     GEMMs (1/tp of each group); backward, the own rows' input-gradient GEMM (1/tp of its half) and,
-    under a column layer's reduce-scatter, the whole weight-gradient GEMM."""
+    under a column layer's reduce-scatter, the whole weight-gradient GEMM. The fused parallel block:
+    half of the own rows' MLP under each of its two collectives (parallel/tensor/branches.py)."""
     cfg, tp = small(d_model=256, n_heads=8, seq_len=256), 4
     a100 = load_preset("a100", use_calibration=False)
     dev = DeviceModel.from_preset(a100, 1)
@@ -107,13 +108,22 @@ def test_tp_overlap_hides_the_own_rows_and_the_column_wgrad_as_the_runtime_runs_
     off, on = (compute.layer_cost(cfg, dev, 1, tp, True, slow, parallel_block, ov, False)
                for ov in (False, True))
     groups = compute.layer_gemms(cfg, cfg.seq_len, 1, tp, parallel_block)
-    fwd = [sum(dev.gemm(g.m, g.n, g.k, g.batch, g.flop_scale) for g in group) for group in groups]
-    bwd = [sum(dev.gemm(g.m, g.k, g.n, g.batch, g.flop_scale) + dev.gemm(g.k, g.n, g.m, g.batch, g.flop_scale)
-               for g in group) for group in groups]
-    column = {0} if parallel_block else {0, 3}
+    def gemm_fwd(g):
+        return dev.gemm(g.m, g.n, g.k, g.batch, g.flop_scale)
+
+    def gemm_bwd(g):
+        return dev.gemm(g.m, g.k, g.n, g.batch, g.flop_scale) + dev.gemm(g.k, g.n, g.m, g.batch, g.flop_scale)
+
+    fwd = [sum(map(gemm_fwd, group)) for group in groups]
+    bwd = [sum(map(gemm_bwd, group)) for group in groups]
+    if parallel_block:  # branches.py: each of the two collectives under half of the own rows' MLP
+        mlp = [*groups[0][1:], *groups[2][1:]]
+        assert off.fwd_tp_exposed - on.fwd_tp_exposed == pytest.approx(sum(map(gemm_fwd, mlp)) / tp)
+        assert off.bwd_tp_exposed - on.bwd_tp_exposed == pytest.approx(sum(map(gemm_bwd, mlp)) / tp)
+        return
     projections = [i for i in range(len(groups)) if i != 1]  # not the attention core
     assert off.fwd_tp_exposed - on.fwd_tp_exposed == pytest.approx(sum(fwd[i] / tp for i in projections))
-    hidden_bwd = sum(bwd[i] / (2 * tp) + (bwd[i] / 2 if i in column else 0.0) for i in projections)
+    hidden_bwd = sum(bwd[i] / (2 * tp) + (bwd[i] / 2 if i in {0, 3} else 0.0) for i in projections)
     assert off.bwd_tp_exposed - on.bwd_tp_exposed == pytest.approx(hidden_bwd)
 
 

@@ -9,7 +9,7 @@ from megascale.errors import UserError
 from megascale.perf import cli, planner
 from megascale.perf.flops import model_flops_per_token
 from megascale.perf.presets import load_preset
-from megascale.perf.step import MEGASCALE, MEGATRON, Layout, predict
+from megascale.perf.step import MEGASCALE, MEGATRON, Layout, Settings, predict
 
 CFG = ModelConfig(vocab_size=512, seq_len=256, n_layers=8, d_model=512, n_heads=8)
 
@@ -88,3 +88,15 @@ def test_plan_command_user_errors(capsys):
     assert cli.main(["--config", "configs/gpt_175b.toml", "--cluster", "nope"]) == 2
     assert cli.main(["--config", "configs/gpt_175b.toml", "--gpus", "512", "--layout", "8,x"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_the_fused_parallel_blocks_collectives_are_hidden_only_with_their_flag():
+    """parallel.tp_overlap_branches off: the fused block keeps its all-gather and reduce-scatter exposed
+    (the runtime runs them in place), as with tp_overlap off; on: less of them is exposed."""
+    a100 = load_preset("a100", use_calibration=False)
+    lay = Layout(tp=8, pp=1, dp=1, micro_batch=1, sequence_parallel=True)
+    tp = {name: predict(CFG, lay, a100, Settings(name, tp_overlap=on, tp_overlap_branches=branches), 8,
+                        explain=True).breakdown.tp_exposed
+          for name, on, branches in (("off", False, False), ("in place", True, False), ("on", True, True))}
+    assert tp["in place"] == pytest.approx(tp["off"])
+    assert tp["on"] < tp["off"]

@@ -149,19 +149,20 @@ def _model_config(style: str, block: str, recompute: bool = False) -> ModelConfi
 
 
 def _build(mcfg, mesh, sp, fuse, chunks, init, impl="chunked"):
-    factory = TPLayerFactory(mesh, sequence_parallel=sp, overlap_chunks=chunks, overlap_impl=impl)
+    factory = TPLayerFactory(mesh, sequence_parallel=sp, overlap_chunks=chunks, overlap_impl=impl,
+                             overlap_branches=True)
     model = parallelize(GPT(mcfg, factory), factory, fuse_parallel_block=fuse).to(F64)
     load_full_state_dict(model, init, mesh)
     ocfg = OptimConfig(lr=1e-2, weight_decay=0.1)
     return model, factory, build_optimizer(model, ocfg)
 
 
-def _model_parity(rank, style, block, sp, fuse, recompute, chunks, impl="chunked"):
+def _model_parity(rank, style, block, sp, fuse, recompute, chunks, impl="chunked", tp=2):
     """Overlap off against on (impl: parallel.tp_overlap_impl; test_tp_symm_mem uses "auto")."""
     mcfg = _model_config(style, block, recompute)
     torch.manual_seed(1234)
     init = GPT(mcfg).to(F64).state_dict()
-    mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=sp))
+    mesh = Mesh.build(ParallelConfig(tp=tp, sequence_parallel=sp))
     runs = [_build(mcfg, mesh, sp, fuse, c, init, impl) for c in (0, chunks)]
     samples = SyntheticSamples(16, SEQ, VOCAB)
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
@@ -216,19 +217,33 @@ def test_overlap_matches_plain_tp_loss_grads_and_steps(pool, name, chunks):
     assert overlapped == ((1 + layers if sp else 1) if fuse else 4 * layers + 1)
 
 
-def _fused_block_schedules(rank, dropout):
+def test_fused_parallel_block_overlap_at_tp4():
+    """branches.py with three peers: their rows and slots in rank order."""
+    pool4 = WorkerPool(4)
+    try:
+        results = pool4.run(_model_parity, "gpt", "parallel", True, True, False, 1, "chunked", 4)
+    finally:
+        pool4.close()
+    for worst, overlapped in results:
+        assert max(worst.values()) < STEP_TOL, worst
+        assert overlapped == 1 + _model_config("gpt", "parallel").n_layers
+
+
+def _fused_block_schedules(rank, dropout, branches):
     mcfg = dataclasses.replace(_model_config("gpt", "parallel"), dropout=dropout)
     mesh = Mesh.build(ParallelConfig(tp=2, sequence_parallel=True))
-    factory = TPLayerFactory(mesh, sequence_parallel=True, overlap_chunks=1)
+    factory = TPLayerFactory(mesh, sequence_parallel=True, overlap_chunks=1, overlap_branches=branches)
     model = parallelize(GPT(mcfg, factory), factory)
     return [b.branch_schedule is not None for b in model.blocks]
 
 
-def test_fused_parallel_block_keeps_its_collectives_in_place_with_residual_dropout(pool):
-    """branches.py draws the MLP branch per part: with residual dropout the masks would not be the fused
-    block's, so there the block runs its one all-gather and one reduce-scatter as without the overlap."""
-    assert pool.run(_fused_block_schedules, 0.0)[0] == [True, True]
-    assert pool.run(_fused_block_schedules, 0.1)[0] == [False, False]
+def test_fused_parallel_block_overlaps_only_when_asked_and_without_residual_dropout(pool):
+    """parallel.tp_overlap_branches is off by default. branches.py draws the MLP branch per part: with
+    residual dropout the masks would not be the fused block's, so there the block runs its one
+    all-gather and one reduce-scatter as without the overlap."""
+    assert pool.run(_fused_block_schedules, 0.0, True)[0] == [True, True]
+    assert pool.run(_fused_block_schedules, 0.0, False)[0] == [False, False]
+    assert pool.run(_fused_block_schedules, 0.1, True)[0] == [False, False]
 
 
 # ---------------------------------------------------------------------------------------

@@ -57,6 +57,10 @@ LAYOUTS = {
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "gpt", "adamw", "fp32", False),
     "tp2-sp-overlap": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true",
                            "parallel.tp_overlap_chunks=2"], "gpt", "adamw", "fp64", False),
+    # the fused parallel block's all-gather and reduce-scatter under its MLP's own rows (branches.py)
+    "tp2-sp-overlap-branches": (2, ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                    "parallel.tp_overlap=true", "parallel.tp_overlap_branches=true"],
+                                "gpt-parallel", "adamw", "fp64", False),
     # one warm-up forward ahead of Megatron's 1F1B (parallel.pp_warmup_ahead): the same gradients
     "pp2-1f1b-ahead1": (2, ["parallel.pp=2", "parallel.pp_warmup_ahead=1"], "llama-parallel", "lamb", "fp64",
                         False),

@@ -96,7 +96,8 @@ class ParallelEngine:
         self.micro_batch = t.micro_batch
         self.n_micro = num_microbatches(t.global_batch, t.micro_batch, mesh.dp)
         self.factory = (TPLayerFactory(mesh, self.sequence_parallel,
-                                       p.tp_overlap_chunks if p.tp_overlap else 0, p.tp_overlap_impl, device)
+                                       p.tp_overlap_chunks if p.tp_overlap else 0, p.tp_overlap_impl, device,
+                                       overlap_branches=p.tp_overlap_branches)
                         if mesh.tp > 1 else None)
         self.bubble = float("nan")  # this rank's idle fraction in the last step's pipeline
 

@@ -13,6 +13,8 @@ costed here too because they sit between those GEMMs:
   one chunk split by rank): the GEMM rows of this rank's own shard run under the all-gather that
   feeds the rest, or under the reduce-scatter of the rest, and a column layer's backward
   reduce-scatter also under the weight gradient; a collective costs max(0, comm - that window).
+  The fused parallel block's two collectives each run under half of the own rows' MLP, forward and
+  backward (parallel/tensor/branches.py; the runtime does so on gloo's direct sends, not yet on NCCL).
 
 The GEMM FLOPs written here equal `perf.flops.forward_flops_per_token` (tests check it);
 attention GEMMs are scaled by the causal / sliding-window fraction of keys attended.
@@ -183,6 +185,9 @@ def layer_cost(
     bwd += act_elems * (c.silu_bwd_s if cfg.style == "llama" else c.gelu_bwd_s) / dev.share
     fwd_exp = bwd_exp = fwd_comm = bwd_comm = gemm_fwd = gemm_bwd = 0.0
     act_bytes = tokens * cfg.d_model * bpe  # one full activation of the layer
+    if parallel_block:  # the fused block's overlap: half of the own rows' MLP under each collective
+        mlp = [*groups[0][1:], *groups[2][1:]]
+        mlp_window = tuple(sum(t(g, False) for g in mlp) / (2 * tp) for t in (fwd_t, bwd_t))
     for i, group in enumerate(groups):
         core = i == 1  # the attention core runs as one fused kernel
         gf = sum(fwd_t(g, core) for g in group)
@@ -202,7 +207,10 @@ def layer_cost(
             cf, cb = (0.0, ar) if column else (ar, 0.0)
         fwd_comm += cf
         bwd_comm += cb
-        if tp_overlap and sp:
+        if tp_overlap and sp and parallel_block:
+            fwd_exp += _overlap(cf, mlp_window[0])
+            bwd_exp += _overlap(cb, mlp_window[1])
+        elif tp_overlap and sp:
             # forward: the own rows' GEMMs. Backward (gb: input and weight gradients, about half each):
             # a column layer's reduce-scatter of its input gradient has the own rows' and the weight
             # gradient under it; a row layer's all-gather of the output gradient only the own rows'

@@ -33,6 +33,7 @@ class Settings:
     name: str = "megascale"
     parallel_block: bool | None = True  # None: as the model config says
     tp_overlap: bool = True
+    tp_overlap_branches: bool = True  # the fused parallel block's too (parallel.tp_overlap_branches)
     pp_overlap: bool = True
     dp_overlap: bool = True
     pp_warmup_ahead: int = 0  # 1F1B: extra warm-up forwards on all ranks but the last (memory for latency)
@@ -151,7 +152,7 @@ def _parts(cfg: ModelConfig, lay: Layout, preset: ClusterPreset, st: Settings, m
         sp,
         tp_link,
         pb,
-        st.tp_overlap,
+        st.tp_overlap and (st.tp_overlap_branches or not pb),
         lay.recompute,
         preset.sliding_kernel,
     )

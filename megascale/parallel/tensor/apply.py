@@ -19,9 +19,10 @@ all-gather the sequence on entry and row layers reduce-scatter it on exit: the s
 plain TP's all-reduce (all-reduce = reduce-scatter + all-gather), in a different place.
 
 `overlap_chunks` > 0 (parallel.tp_overlap): the column and row layers pipeline those
-collectives with their GEMMs in chunks (overlap.py); the fused parallel block's one all-gather
-and one reduce-scatter run under its MLP's own rows instead (branches.py, gloo's direct sends
-and no residual dropout; elsewhere they stay as they are).
+collectives with their GEMMs in chunks (overlap.py); the fused parallel block keeps its one
+all-gather and one reduce-scatter in place, or with `overlap_branches` (parallel.
+tp_overlap_branches) runs them under its MLP's own rows (branches.py: gloo's direct sends and no
+residual dropout only).
 """
 
 from __future__ import annotations
@@ -68,15 +69,18 @@ class TPLayerFactory(LayerFactory):
     """Builds the tensor-parallel layers for one mesh; the model never learns its rank.
 
     overlap_chunks: chunks per overlapped GEMM (0: off); overlap_impl: parallel.tp_overlap_impl for a
-    model on `device` (symm_mem.py). When on, construction creates the overlap's process group, so
-    every rank must build its factory, in the same order.
+    model on `device` (symm_mem.py); overlap_branches: parallel.tp_overlap_branches (branches.py). When
+    on, construction creates the overlap's process group, so every rank must build its factory, in the
+    same order.
     """
 
     def __init__(self, mesh: Mesh, sequence_parallel: bool = False, overlap_chunks: int = 0,
-                 overlap_impl: str = "chunked", device: torch.device | str = "cpu"):
+                 overlap_impl: str = "chunked", device: torch.device | str = "cpu",
+                 overlap_branches: bool = False):
         self.mesh = mesh
         self.sequence_parallel = sequence_parallel and mesh.tp > 1
         self.overlap = overlap_settings(mesh, overlap_chunks, overlap_impl, device)
+        self.overlap_branches = overlap_branches
 
     def linear(self, in_features: int, out_features: int, bias: bool, style: str) -> nn.Module:
         if style not in LINEAR_STYLES:
@@ -158,7 +162,7 @@ def parallelize(model: nn.Module, factory: TPLayerFactory, fuse_parallel_block: 
     for block in getattr(model, "blocks", ()) if mesh.tp > 1 else ():
         if fuse_parallel_block and getattr(block, "parallel", False) and hasattr(block, "branch_in"):
             fuse_branches(block, mesh, sp)  # its dropout acts on full-sequence partial sums: replicated
-            if branches.applies(block, factory.overlap, sp):  # its two collectives under its MLP's rows
+            if factory.overlap_branches and branches.applies(block, factory.overlap, sp):  # under its MLP
                 block.branch_schedule = functools.partial(branches.overlapped_branches, ov=factory.overlap,
                                                           tp=mesh.tp)
         elif sp:

@@ -22,6 +22,13 @@ between them in the forward runs between them in the backward, mirrored. The sum
 block's: every slot added in the same order (its own, then the peers' in rank order), the MLP's
 rows in other GEMM blocks (equal to rounding, tested in float64).
 
+Off by default (parallel.tp_overlap_branches): on CPU the split costs more than it hides. Each part
+of the MLP is a GEMM of fewer rows, and its weights' gradients come in three parts that autograd
+adds up; at d_model 256 and 64 rows a part the wgrad GEMM of a part costs about what adding its
+result does. On the simulated 1 Gbit/s tp2 cluster (`benchmarks/overlap.py --dims tp --block
+parallel`) the exposed tp wait fell 208 -> 71 ms a step at d_model 256 and 571 -> 158 at 512, but
+the compute grew x1.38 and x1.27: H -44% and +2%; two loopback ranks spent 20-25% more CPU a step.
+
 Where it applies: gloo's direct sends (the reduce-scatter's own slot is computed after the peers'
 are sent: a backend's collective reads all of its input at once) and no residual dropout (the MLP
 branch's mask would be drawn per part, not over the whole branch as the fused block draws it).
@@ -39,81 +46,103 @@ from megascale.parallel.tensor.flight import Flight, Overlap
 class _Exchange:
     """One collective of the block and its backward's: the forward's in `fwd`, the backward's in `bwd`."""
 
-    __slots__ = ("ov", "tp", "fwd", "bwd", "buf", "grad")
+    __slots__ = ("ov", "tp", "half", "fwd", "bwd", "buf", "grad")
 
-    def __init__(self, ov: Overlap, tp: int):
-        self.ov, self.tp = ov, tp
+    def __init__(self, ov: Overlap, tp: int, half: int):
+        self.ov, self.tp, self.half = ov, tp, half  # half: the own rows whose MLP runs under the gather
         self.fwd = self.bwd = self.buf = self.grad = None
 
 
+def _peers(t: Tensor, dim: int, ex: _Exchange) -> Tensor:
+    """The peers' slots of `t` along `dim`, in rank order (a view where tp is 2)."""
+    me, tp = ex.ov.rank, ex.tp
+    if tp == 2:
+        return t.narrow(dim, 1 - me, 1)
+    return t.index_select(dim, torch.tensor(ex.ov.peers(tp), device=t.device))
+
+
 class _GatherStart(torch.autograd.Function):
-    """x -> x, issuing the all-gather of x; backward: the gradient plus what the peers' rows sent back."""
+    """x -> its own rows in two parts (x[:, :half], x[:, half:]), issuing the all-gather of x.
+    Backward: the parts' gradients plus the sum of the peers' gradients of these rows."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, ex: _Exchange) -> Tensor:
+    def forward(ctx, x: Tensor, ex: _Exchange) -> tuple[Tensor, Tensor]:
         ex.buf = x.new_empty((ex.tp, *x.shape))  # rank-major: ex.buf[r] is rank r's rows
         ex.fwd = Flight(ex.ov)
         ex.fwd.all_gather(ex.buf, x.contiguous())
         ctx.ex = ex
-        return x.view_as(x)
+        return x[:, :ex.half], x[:, ex.half:]
 
     @staticmethod
-    def backward(ctx, g: Tensor):
+    def backward(ctx, g_first: Tensor, g_rest: Tensor):
         ex = ctx.ex
         ex.bwd.wait_all()  # issued by _GatherFinish.backward, the own rows' MLP backward ran under it
-        return g + ex.grad, None
+        grad = ex.grad  # the reduce-scatter's sum, a tensor of its own
+        grad[:, :ex.half] += g_first
+        grad[:, ex.half:] += g_rest
+        return grad, None
 
 
 class _GatherFinish(torch.autograd.Function):
-    """The gathered rows, (tp, b, s/tp, d) rank-major, once they are here; backward: the reduce-scatter
-    of their gradient to the ranks they came from, issued (waited for in _GatherStart.backward)."""
+    """Once the rows are here: the sequence in order (b, s, d) and the peers' rows (tp - 1, b, s/tp, d).
+    Backward: their gradients reduce-scattered to the ranks the rows came from, issued (waited for in
+    _GatherStart.backward)."""
 
     @staticmethod
-    def forward(ctx, own: Tensor, ex: _Exchange) -> Tensor:
+    def forward(ctx, first: Tensor, ex: _Exchange) -> tuple[Tensor, Tensor]:
         ex.fwd.wait_all()
         ctx.ex = ex
-        return ex.buf
+        full = ex.buf
+        return full.transpose(0, 1).flatten(1, 2), _peers(full, 0, ex)
 
     @staticmethod
-    def backward(ctx, g: Tensor):
+    def backward(ctx, g_seq: Tensor, g_peers: Tensor):
         ex = ctx.ex
-        ex.grad = g.new_empty(g.shape[1:])
+        tp, _, rows = ex.buf.shape[:3]
+        parts = g_seq.unflatten(1, (tp, rows)).transpose(0, 1).contiguous()  # (tp, b, rows, d) by rank
+        for i, r in enumerate(ex.ov.peers(tp)):
+            parts[r] += g_peers[i]
+        ex.grad = parts.new_empty(parts.shape[1:])
         ex.bwd = Flight(ex.ov)
-        ex.bwd.reduce_scatter(ex.grad, g.contiguous())
+        ex.bwd.reduce_scatter(ex.grad, parts)
         return None, None
 
 
 class _ScatterStart(torch.autograd.Function):
-    """The peers' slots of the sum (tp - 1, b, s/tp, d), in rank order, issued as the reduce-scatter whose
-    own slot _ScatterFinish fills; returns a token that orders the pair. Backward: the peers' gradients."""
+    """The peers' slots of the sum, attention's rows (b, tp, s/tp, d) plus the MLP's of the peers' rows
+    (tp - 1, b, s/tp, d), issued as the reduce-scatter whose own slot _ScatterFinish fills; returns a
+    token that orders the pair. Backward: the whole of attention's gradient (its own slot's came back
+    with the peers'), and the peers' MLP rows'."""
 
     @staticmethod
-    def forward(ctx, peers: Tensor, ex: _Exchange) -> Tensor:
+    def forward(ctx, attn: Tensor, mlp_peers: Tensor, ex: _Exchange) -> Tensor:
         me = ex.ov.rank
-        ex.buf = peers.new_empty((ex.tp, *peers.shape[1:]))
-        ex.buf[:me].copy_(peers[:me])
-        ex.buf[me + 1:].copy_(peers[me:])
+        ex.buf = mlp_peers.new_empty((ex.tp, *mlp_peers.shape[1:]))
+        for i, r in enumerate(ex.ov.peers(ex.tp)):
+            torch.add(attn[:, r], mlp_peers[i], out=ex.buf[r])
         ex.fwd = Flight(ex.ov)
         ex.fwd.reduce_scatter(ex.buf[me], ex.buf)  # direct sends: the own slot is read at the wait
         ctx.ex = ex
-        return peers.new_empty(0)
+        return mlp_peers.new_empty(0)
 
     @staticmethod
     def backward(ctx, _token: Tensor):
         ex = ctx.ex
         ex.bwd.wait_all()  # issued by _ScatterFinish.backward, the own rows' MLP backward ran under it
-        me = ex.ov.rank
-        return torch.cat([ex.grad[:me], ex.grad[me + 1:]]), None
+        return ex.grad.transpose(0, 1), _peers(ex.grad, 0, ex), None
 
 
 class _ScatterFinish(torch.autograd.Function):
-    """The own slot's sum: `own` plus the peers' slots for this rank, added at the wait in rank order.
-    Backward: the output gradient all-gathered to the peers (the gradient of their slots here), issued."""
+    """The own slot's sum: attention's own rows plus the MLP's (two parts), plus the peers' slots for
+    this rank, added at the wait in rank order. Backward: the output gradient all-gathered (the
+    gradient of every rank's slot here: attention's, returned by _ScatterStart), issued."""
 
     @staticmethod
-    def forward(ctx, own: Tensor, token: Tensor, ex: _Exchange) -> Tensor:
+    def forward(ctx, attn: Tensor, first: Tensor, rest: Tensor, token: Tensor, ex: _Exchange) -> Tensor:
         out = ex.buf[ex.ov.rank]
-        out.copy_(own)
+        own = attn[:, ex.ov.rank]
+        torch.add(own[:, :ex.half], first, out=out[:, :ex.half])
+        torch.add(own[:, ex.half:], rest, out=out[:, ex.half:])
         ex.fwd.wait_all()
         ctx.ex = ex
         return out
@@ -125,7 +154,8 @@ class _ScatterFinish(torch.autograd.Function):
         ex.grad = g.new_empty((ex.tp, *g.shape))
         ex.bwd = Flight(ex.ov)
         ex.bwd.all_gather(ex.grad, g)
-        return g, g.new_empty(0), None
+        # attention's gradient comes whole from _ScatterStart (ex.grad holds this slot's too)
+        return None, g[:, :ex.half], g[:, ex.half:], g.new_empty(0), None
 
 
 def applies(block: nn.Module, ov: Overlap | None, sequence_parallel: bool) -> bool:
@@ -138,22 +168,16 @@ def overlapped_branches(block: nn.Module, x: Tensor, ov: Overlap, tp: int) -> Te
     """The fused parallel block's forward on this rank's rows x (b, s/tp, d), its all-gather and
     reduce-scatter each under half of the own rows' MLP (the module docstring)."""
     bsz, rows, d = x.shape
-    me, peers = ov.rank, ov.peers(tp)
-    half = rows // 2  # the own rows' MLP: this many under the gather, the rest under the reduce-scatter
 
     def mlp(t: Tensor) -> Tensor:
         return block.drop_mlp(block.mlp(block.norm2(t)))
 
-    gather = _Exchange(ov, tp)
-    own = _GatherStart.apply(x, gather)
-    first = mlp(own[:, :half]) if half else None
-    full = _GatherFinish.apply(own, gather)  # (tp, b, rows, d)
-    h = full.transpose(0, 1).reshape(bsz, tp * rows, d)  # the sequence in order
-    attn = block.drop_attn(block.attn(block.norm1(h))).view(bsz, tp, rows, d)  # this rank's heads' sums
-    index = torch.tensor(peers, device=x.device)
-    sent = attn.index_select(1, index).transpose(0, 1) + mlp(full.index_select(0, index))
-    scatter = _Exchange(ov, tp)
-    token = _ScatterStart.apply(sent, scatter)
-    rest = mlp(own[:, half:])
-    own_mlp = rest if first is None else torch.cat([first, rest], 1)
-    return x + _ScatterFinish.apply(attn[:, me] + own_mlp, token, scatter)
+    gather = _Exchange(ov, tp, rows // 2)
+    first, rest = _GatherStart.apply(x, gather)
+    first_mlp = mlp(first)  # under the gather
+    seq, peers = _GatherFinish.apply(first, gather)
+    attn = block.drop_attn(block.attn(block.norm1(seq))).view(bsz, tp, rows, d)  # this rank's heads' sums
+    scatter = _Exchange(ov, tp, rows // 2)
+    token = _ScatterStart.apply(attn, mlp(peers), scatter)
+    rest_mlp = mlp(rest)  # under the reduce-scatter
+    return x + _ScatterFinish.apply(attn, first_mlp, rest_mlp, token, scatter)
