@@ -36,6 +36,8 @@ three transfers each, cost 0.73 ms of kernel CPU a MB at MTU 65000, 1.07-1.27 at
 71, 68% at 1500 (exposed dp 12-16 ms, 14-21 ms).
 Where every rank can have a core of its own (the 2-rank dimensions on 2 cores) each is bound to one, as a
 real host has its own (`--no-pin`: left to the scheduler, as the 4- and 8-rank runs always are).
+`--block parallel` runs the dimensions on the parallel block (tp: its one all-gather and one reduce-scatter
+under its MLP's own rows, parallel.tp_overlap_branches, in the overlap variant).
 `--tail-buckets 1` and `--gloo-collectives` turn off the dp refinements (parallel.dp_tail_buckets,
 parallel.direct_collectives) to see what each buys. Goals of
 issue 12: DP H >= 80%, PP exposed p2p under 2% of the step, TP H >= 50% on CPU with compute
