@@ -456,6 +456,13 @@ def validate(cfg: Config) -> None:
     _choice("parallel.schedule", p.schedule, ("auto", "1f1b", "interleaved", "afab"))
     _choice("parallel.transport", p.transport, ("gloo", "sockets"))
     _choice("parallel.tp_overlap_impl", p.tp_overlap_impl, ("auto", "chunked", "symm_mem"))
+    if p.tp_overlap_branches and not p.tp_overlap:
+        raise ConfigError("parallel.tp_overlap_branches: moves the fused parallel block's collectives under "
+                          "the tp overlap, so it needs parallel.tp_overlap = true")
+    if p.tp_overlap_branches and m.dropout > 0:
+        raise ConfigError(f"parallel.tp_overlap_branches: runs the MLP branch in parts, whose residual "
+                          f"dropout masks would not be the fused block's: needs model.dropout = 0, "
+                          f"got {m.dropout}")
     validate_layout(cfg)
 
     _positive("log.peak_flops", cfg.log.peak_flops, allow_zero=True)
