@@ -18,7 +18,9 @@ Domino's method (Wang et al. 2024):
   H = (T_serial - T_overlap) / (T_serial - T_nocomm)   the fraction of the exposed communication hidden
 
 and, from the always-on timers (observe/breakdown.py), the communication each dimension left
-exposed per step, and the compute time (for tp: what splitting the GEMMs into chunks costs).
+exposed per step, and the compute time (for tp: what splitting the GEMMs into chunks costs); for dp
+also what its steps waited for, by kind (the parameter gathers, the gradient reduce-scatters, the
+norms' all-reduces). `--set KEY=VALUE` adds a config override to every run (one switch's A/B).
 The three variants' Trainers live side by side in every rank and take turns of 1 + `--steps` steps,
 `--rounds` times (a turn's first step, the hand-over, is not timed), so the machine's drift falls on
 all three alike. Step times are medians of Trainer.train_step's time over the timed steps, exposed
@@ -82,14 +84,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # dimension: (layout overrides, world, the flags that turn its overlap on, the mesh groups it owns)
+DP_FLAGS = ["dp_overlap_grad_reduce", "dp_overlap_param_gather"]
 DIMS = {
-    "dp": (["parallel.dp=2"], 2, ["dp_overlap_grad_reduce", "dp_overlap_param_gather"], ("dp",)),
+    "dp": (["parallel.dp=2"], 2, DP_FLAGS, ("dp",)),
     "pp": (["parallel.pp=2"], 2, ["pp_overlap"], ("pp",)),
     "tp": (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, ["tp_overlap", "tp_overlap_branches"],
            ("tp",)),
     "all": (["parallel.dp=2", "parallel.pp=2"], 4,
-            ["dp_overlap_grad_reduce", "dp_overlap_param_gather", "pp_overlap", "tp_overlap",
-             "tp_overlap_branches"],
+            [*DP_FLAGS, "pp_overlap", "tp_overlap", "tp_overlap_branches"],
             ("dp", "pp", "tp")),
 }
 VARIANTS = ("serial", "overlap", "nocomm")
@@ -101,7 +103,7 @@ ABLATION = [
     ("+ sliding window", ["model.attention=sliding", "model.window={window}"]),
     ("+ TP overlap", ["parallel.tp_overlap=true"]),
     ("+ PP overlap", ["parallel.pp_overlap=true", "parallel.pp_warmup_ahead={pp_ahead}"]),
-    ("+ DP overlap", ["parallel.dp_overlap_grad_reduce=true", "parallel.dp_overlap_param_gather=true"]),
+    ("+ DP overlap", [f"parallel.{f}=true" for f in DP_FLAGS]),
     ("+ LAMB, 4x batch", ["optim.name=lamb", "train.global_batch={batch4}"]),
 ]
 ABLATION_LAYOUT = ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
@@ -126,7 +128,7 @@ def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> li
         f"data.path={json.dumps(str(ROOT / 'data' / 'cache' / 'shakespeare'))}",
         f"data.source={json.dumps(str(ROOT / 'data' / 'shakespeare'))}",
         f"train.run_dir={json.dumps(run_dir)}", *layout, *[f"parallel.{f}={str(on).lower()}" for f in flags],
-        f"parallel.pp_warmup_ahead={a.pp_ahead if on and 'pp_overlap' in flags else 0}",
+        f"parallel.pp_warmup_ahead={a.pp_ahead if on and 'pp_overlap' in flags else 0}", *a.set,
     ]
 
 
@@ -268,6 +270,19 @@ def steady_p2p_wait(ranks: dict, steps: list[int]) -> float:
         if fractions:
             per_rank[r] = (busy, statistics.median(fractions))
     return max(per_rank.values())[1] if per_rank else float("nan")
+
+
+def dp_waits(ranks: dict, steps: list[int]) -> dict[str, float]:
+    """The dp communication each step waited for, by kind, seconds: "gather" (the parameter all-gathers,
+    waited for in the forward), "reduce" (the gradient reduce-scatters, after backward), "norm" (the
+    grad norm's and LAMB's all-reduces over dp), each the slowest rank's, median over the steps."""
+    kinds = {"all_gather": "gather", "reduce_scatter": "reduce", "all_reduce": "norm"}
+    out = {}
+    for op, kind in kinds.items():
+        per_step = [max(sum(e.blocked for e in t.events if e.step == s and e.op == op and e.group == "dp")
+                        for t in ranks.values()) for s in steps]
+        out[kind] = statistics.median(per_step) / 1e9 if per_step else float("nan")
+    return out
 
 
 # ---------------------------------------------------------------------- one rank
@@ -637,6 +652,7 @@ def worker(a: argparse.Namespace) -> None:
         out[variant] = {k: statistics.median(r[k] for r in rows[variant]) for k in rows[variant][0]}
         out[variant]["step"] = statistics.median(times[variant])
         out[variant]["steady_p2p"] = steady_p2p_wait(traces, steps)
+        out[variant]["dp_waits"] = dp_waits(traces, steps)
     out["comm"] = statistics.median(wrapper.replay() for _ in range(3))
     out["rounds"] = by_round  # step times
     if rank == 0:
@@ -711,8 +727,12 @@ def report(dim: str, r: dict) -> str:
     exp = " ".join(f"{s} {r['serial'][f'exposed_{s}'] * 1e3:.0f}->{r['overlap'][f'exposed_{s}'] * 1e3:.0f} ms"
                    for s in streams)
     bubble = ""
+    if dim in ("dp", "all"):
+        waits = (r[v]["dp_waits"] for v in ("serial", "overlap"))
+        bubble = ", dp waits (gathers, reduce-scatters, norms) " + " -> ".join(
+            "/".join(f"{w[k] * 1e3:.1f}" for k in ("gather", "reduce", "norm")) for w in waits) + " ms"
     if dim in ("pp", "all"):
-        bubble = (f", pp wait {r['overlap']['bubble'] / over:.1%} of the step, in the steady phase "
+        bubble += (f", pp wait {r['overlap']['bubble'] / over:.1%} of the step, in the steady phase "
                   f"{r['serial']['steady_p2p']:.1%}->{r['overlap']['steady_p2p']:.1%}")
     compute = r["overlap"]["compute"] / r["serial"]["compute"] if r["serial"]["compute"] else float("nan")
     low, high = hidden_interval(r["rounds"])
@@ -754,6 +774,9 @@ def main() -> int:
                    help="parallel.tp_overlap_chunks (1: own rows only; 2 hid less here, twice the messages)")
     p.add_argument("--pp-ahead", type=int, default=1,
                    help="parallel.pp_warmup_ahead of the pp overlap (0: Megatron's 1F1B warm-up)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run, after the variant's flags (e.g. one overlap's "
+                        "off switch: --set parallel.dp_tail_buckets=1)")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--keep", help="write the runs' directories (traces, metrics) here and keep them")
     p.add_argument("--raw", action="store_true", help="also print each variant's breakdown (seconds)")
@@ -785,6 +808,7 @@ def main() -> int:
     a.forward += ["--gloo-collectives"] if a.gloo_collectives else []
     a.forward += [] if a.pin else ["--no-pin"]
     a.forward += ["--ablation-rows", *map(str, a.ablation_rows)]
+    a.forward += [f"--set={x}" for x in a.set]
 
     from megascale.config import load_config
     from megascale.data import ensure_dataset

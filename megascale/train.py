@@ -312,6 +312,9 @@ class Trainer:
             local_loss = local_loss * float("nan")
         with timers.span("clip"):
             grad_norm = engine.clip_grads(cfg.optim.grad_clip)  # global: the same on every rank
+        # the job's loss and stop flag: launched before the update, whose parameter all-gathers would
+        # hold its few bytes behind megabytes on the wire; .item() at the end, a sync
+        agreement = engine.start_agree(local_loss, self._stop_signal, self.step + 1)
         with timers.span("blocked", "checkpoint"):
             self.checkpoints.before_update()  # a snapshot's copy must be complete before the weights change
         if torch.isfinite(grad_norm):
@@ -320,8 +323,7 @@ class Trainer:
             self._log_print(f"step {self.step + 1}: non-finite gradient norm, update skipped")
         engine.zero_grad()
         self.step += 1
-        # .item(): a sync
-        loss_value, self._stop_agreed = engine.agree(local_loss, self._stop_signal, self.step)
+        loss_value, self._stop_agreed = engine.finish_agree(agreement)
         dt = time.perf_counter() - t0
         tps = self.tokens_per_step / dt
         if (self.world_size == 1 and tps * self.flops_per_token > self.peak and self.device.type == "cpu"

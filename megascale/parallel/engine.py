@@ -8,8 +8,9 @@ torch.distributed and the mesh:
     engine = ParallelEngine(cfg, mesh, device, dtype, full_state)   # one-process weights (None: the seed's)
     loss = engine.forward_backward(x, y, autocast)                  # this dp rank's rows of the batch
     norm = engine.clip_grads(max_norm)                              # global norm over the mesh
-    engine.step(); engine.zero_grad()
-    loss, stop_signal = engine.agree(loss, signal)                  # one all-reduce: dp mean, any stop
+    agreement = engine.start_agree(loss, signal)                    # one all-reduce: dp mean, any stop
+    engine.step(); engine.zero_grad()                               # (its param all-gathers behind it)
+    loss, stop_signal = engine.finish_agree(agreement)              # (engine.agree: both at once)
 
 What is built:
 
@@ -42,6 +43,7 @@ Composition rules (each has a test through the Trainer, tests/test_trainer_paral
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -83,6 +85,17 @@ def layout_of(cfg: Config) -> dict:
         out["dp_bucket_size"] = p.dp_bucket_size
         out["dp_tail_buckets"] = p.dp_tail_buckets
     return out
+
+
+@dataclasses.dataclass
+class _Agreement:
+    """A started `ParallelEngine.agree`: its all-reduce in flight (work None: nothing to wait for)."""
+
+    loss: Tensor
+    stop_signal: int | None
+    buf: Tensor | None = None
+    pending: object = None
+    work: object = None
 
 
 class ParallelEngine:
@@ -277,22 +290,33 @@ class ParallelEngine:
         Every rank then stops after the same step. The loss counts once per dp replica (from its
         last stage's tp rank 0).
         """
+        return self.finish_agree(self.start_agree(loss, stop_signal, step))
+
+    def start_agree(self, loss: Tensor, stop_signal: int | None, step: int = -1) -> _Agreement:
+        """`agree`'s all-reduce, launched; `finish_agree` waits for it. The trainer launches it before
+        the update, so its few bytes go on the wire ahead of the parameter all-gathers the update
+        launches (dp_overlap_param_gather), not behind megabytes of them."""
         if self.single:
-            return loss.item(), stop_signal
+            return _Agreement(loss, stop_signal)
         counted = self.mesh.tp_rank == 0 and self.mesh.is_last_stage
         sig = float(stop_signal or 0)
         buf = torch.stack([loss.to(torch.float64) / self.mesh.dp if counted else loss.new_zeros(()),
                            loss.new_tensor(float(stop_signal is not None)), loss.new_tensor(sig)])
         if skips("agree", step):  # an injected bug: this rank leaves the others waiting here
-            return loss.item(), stop_signal
-        with timers.comm("all_reduce", "dp", "world"):
-            dist.all_reduce(buf)
-        if self.distributed:  # now the next step's parameters (dp_overlap_param_gather), behind it
-            self.optimizer.start_param_gather()
-        mean, stopped, sigs = buf.tolist()
+            return _Agreement(loss, stop_signal)
+        pending = timers.launch("all_reduce", "dp", "world")
+        return _Agreement(loss, stop_signal, buf, pending, dist.all_reduce(buf, async_op=True))
+
+    @staticmethod
+    def finish_agree(agreement: _Agreement) -> tuple[float, int | None]:
+        """(the job's mean loss, the signal every rank stops for, or None) of a started `agree`."""
+        if agreement.work is None:  # one process, or an injected skip
+            return agreement.loss.item(), agreement.stop_signal
+        agreement.pending.wait(agreement.work)
+        mean, stopped, sigs = agreement.buf.tolist()
         if stopped == 0:
             return mean, None
-        return mean, stop_signal or int(round(sigs / stopped))
+        return mean, agreement.stop_signal or int(round(sigs / stopped))
 
     # ------------------------------------------------------------------ evaluation
 

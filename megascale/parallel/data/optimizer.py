@@ -76,7 +76,6 @@ class DistributedOptimizer:
         self.buffers = DPBuffers(in_model_order, mesh, bucket_size, overlap_grad_reduce, list(deferred),
                                  tail_buckets)
         self.overlap_param_gather = overlap_param_gather
-        self._gather_due = False  # the step updated the shards; their all-gather is not launched yet
         self._prefetch_hooks = []
         if overlap_param_gather:
             self._prefetch_hooks = _wait_before_use(model, self.buffers, self.wait_params)
@@ -183,24 +182,14 @@ class DistributedOptimizer:
         self.wait_params()  # a bucket no forward used: its gather must end before its shard changes
         with timers.span("optimizer"):
             self.optimizer.step()
-        if self.overlap_param_gather:  # launched by start_param_gather, waited for in the next forward
-            self._gather_due = True
-        else:
-            self.buffers.gather_params()
-
-    def start_param_gather(self) -> None:
-        """Launch the all-gathers of the last step's update (overlap_param_gather; else a no-op).
-
-        Separate from step() so the trainer can first finish the step's own small collective (its
-        loss all-reduce), which would otherwise queue on the wire behind megabytes of parameters.
-        """
-        if self._gather_due:
-            self._gather_due = False
-            self.buffers.start_param_gather()
+        # The trainer launched the step's own small collective (its loss all-reduce) before the
+        # update, so these megabytes do not hold it on the wire
+        self.buffers.start_param_gather()
+        if not self.overlap_param_gather:  # else waited for in the next forward, module by module
+            self.buffers.wait_param_gather()
 
     def wait_params(self, buckets: set[int] | None = None) -> None:
         """Block until the parameters (of the given buckets; None: all) hold their gathered values."""
-        self.start_param_gather()
         self.buffers.wait_param_gather(buckets)
 
     # ---- state
