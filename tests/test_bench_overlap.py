@@ -21,7 +21,8 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     before = set(netns.namespaces())
     tiny = ["--steps", "1", "--rounds", "1", "--ablation-rounds", "1", "--warmup", "1", "--layers", "2",
             "--d-model", "32", "--seq", "16", "--batch", "8", "--bucket", "2000", "--mbit", "200",
-            "--ablation", "--ablation-rows", "0", "6", "--no-calibrate"]  # a job per row: two rows
+            "--ablation", "--ablation-rows", "0", "6", "--no-calibrate",  # a job per row: two rows
+            "--set", "parallel.dp_tail_buckets=2"]
     r = subprocess.run([sys.executable, "benchmarks/overlap.py", *tiny], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
@@ -29,6 +30,8 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
         times = r"  ".join(rf"{t} +[\d.]+" for t in ("T_serial", "T_overlap", "T_nocomm", "T_comm"))
         assert re.search(rf"^ *{dim}  {times} s +H ", r.stdout, re.M), r.stdout
     assert "exposed dp" in r.stdout and "pp wait" in r.stdout
+    waits = r"dp waits \(gathers, reduce-scatters, norms\) [\d./]+ -> \d+\.\d/\d+\.\d/\d+\.\d ms"
+    assert len(re.findall(waits, r.stdout)) == 2, r.stdout  # dp's and all's
     assert re.search(r"^links as measured .*: \d+ us per message, \d+ Mbit/s", r.stdout, re.M), r.stdout
     if len(os.sched_getaffinity(0)) < 8:  # 8 ranks time-slice the cores: how much speed a core keeps
         shared = r"^a core time-sliced by \d+ ranks keeps [\d.]+ of its speed"
