@@ -89,6 +89,9 @@ class ParallelConfig:
     # activations and gradients): "sockets", our own TCP transport, a fraction of gloo's CPU and time
     # per message (distributed/sockets.py, benchmarks/transport.py), or "gloo"'s isend/irecv
     transport: str = "sockets"
+    # on the socket transport, each connection marked by what it carries (SO_PRIORITY): the pipeline's and
+    # tp's interactive, dp's bulk, so a host sends an activation before a parameter bucket's backlog
+    transport_priority: bool = True
     pp_overlap: bool = True  # receives posted ahead of the compute that needs them, sends completed lazily
     # 1f1b: forwards every rank but the last runs beyond Megatron's warm-up, so the steady phase does not
     # wait for the round trip of an activation and its gradient (schedule.py); that many more

@@ -126,6 +126,12 @@ def test_tbf_limits_the_bandwidth_of_each_link_both_ways(request):
     print(f"{NBYTES / 1e6} MB: unshaped {fast:.3f} s, at 20 Mbit/s h1->h0 {up:.3f} s, h0->h1 {down:.3f} s")
     assert up > 0.5 and down > 0.5
     assert up > 3 * fast and down > 3 * fast
+    # what waits for the rate waits by priority (pfifo_fast's bands under tbf), on both ends of the link
+    for ns, dev in ((shaped.ns(1), netns.IFNAME), (shaped.switch, "port1")):
+        qdiscs = json.loads(subprocess.run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev], check=True,
+                                           capture_output=True, text=True).stdout)
+        kinds = {(q["kind"], q.get("parent", "root")) for q in qdiscs}
+        assert {("tbf", "root"), ("pfifo_fast", "1:1")} <= kinds, qdiscs
 
 
 # Host 1 sends one UDP datagram of N bytes to host 0 with "don't fragment" set: it leaves whole or

@@ -314,6 +314,37 @@ def test_the_mesh_routes_its_groups_by_parallel_transport(pool):
         assert ours == theirs == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
 
 
+def _marks(rank: int):
+    from megascale.config import ParallelConfig
+    from megascale.distributed import p2p
+    from megascale.distributed.direct import start_all_gather
+    from megascale.parallel.mesh import Mesh
+
+    def marks(mesh) -> dict[int, int]:
+        """The SO_PRIORITY of this rank's connections to its peers (opened by an all-gather)."""
+        group = mesh.dp_group or mesh.pp_group or mesh.tp_group
+        start_all_gather(torch.empty(3), torch.ones(1), group).wait()
+        out = p2p._ROUTES[group][0]._out
+        return {p: out[p].sock.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) for p in sorted(out)}
+
+    dp = marks(Mesh.build(ParallelConfig(dp=3)))
+    pp = marks(Mesh.build(ParallelConfig(pp=3)))  # the same peers, now the pipeline's: marked again
+    off = marks(Mesh.build(ParallelConfig(dp=3, transport_priority=False)))  # left as they were
+    return rank, dp, pp, off
+
+
+def test_the_mesh_marks_its_connections_dp_bulk_pipeline_and_tp_interactive(pool):
+    """parallel.transport_priority: a host's send queue (one FIFO in a Linux socket's default
+    discipline; bands where it has them, as the simulated cluster's links do) puts the pipeline's
+    and tp's packets ahead of dp's."""
+    from megascale.distributed.p2p import BULK, INTERACTIVE
+
+    for rank, dp, pp, off in pool.run(_marks):
+        peers = [r for r in range(3) if r != rank]
+        assert dp == dict.fromkeys(peers, BULK)
+        assert pp == off == dict.fromkeys(peers, INTERACTIVE)
+
+
 def _inputs(rank: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(rank)
     # 7 elements: not a multiple of 3 (padded); a transposed view (not contiguous); past the size of

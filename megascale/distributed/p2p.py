@@ -72,6 +72,30 @@ def use_sockets(groups: tuple[dist.ProcessGroup | None, ...]) -> None:
             _ROUTES[group] = (_TRANSPORT, (_MESHES << 8) | place)
 
 
+# Linux's TC_PRIO_INTERACTIVE and TC_PRIO_BULK: pfifo_fast's first and last band
+INTERACTIVE, BULK = 6, 2
+
+
+Groups = tuple[dist.ProcessGroup | None, ...]
+
+
+def prioritise(interactive: Groups, bulk: Groups) -> None:
+    """Mark this rank's connections to the members of routed groups: `interactive` ones (the pipeline's
+    activations, tensor parallelism's exchanges: a step waits for each) ahead of `bulk` ones (dp's
+    buckets, megabytes that the overlaps run behind the compute) in the host's send queue. On one
+    FIFO queue, which a Linux socket's packets share, an activation sent while a bucket is on the
+    wire waits behind the bucket's backlog; a NIC serves its queues side by side. A rank's peers
+    in different dimensions are different ranks, so one mark per connection says which it carries."""
+    me = dist.get_rank()
+    for groups, priority in ((bulk, BULK), (interactive, INTERACTIVE)):
+        for group in groups:
+            if routed(group):
+                transport = _ROUTES[group][0]
+                for peer in dist.get_process_group_ranks(group):
+                    if peer != me:
+                        transport.set_priority(peer, priority)
+
+
 def p2p_timeout(group) -> datetime.timedelta | None:
     """The group's collective timeout (distributed.collective_timeout_s once training runs), for
     waits on its isend/irecv: gloo's p2p wait has none of its own, so a peer that stopped would hang

@@ -285,6 +285,7 @@ class SocketTransport:
         self._out: dict[int, _Outbound] = {}
         self._in: defaultdict[int, _Inbound] = defaultdict(lambda: _Inbound(self._lock))
         self._socks: list[socket.socket] = []
+        self._priority: dict[int, int] = {}  # peer -> SO_PRIORITY of the connection to it (set_priority)
         self._listener = socket.create_server((address, 0), backlog=max(16, world))
         self._socks.append(self._listener)
         store.set(self._key(rank), f"{address}:{self._listener.getsockname()[1]}")
@@ -330,6 +331,19 @@ class SocketTransport:
         _deliver(early.data, view, handle)
         return handle
 
+    def set_priority(self, peer: int, priority: int) -> None:
+        """Mark the connection to `peer` (SO_PRIORITY, now or when it opens): which of a host's send
+        queues its packets wait in where the host's queueing discipline has bands (Linux's
+        pfifo_fast: 6, interactive, before 0, before 2, bulk), as a NIC serves its queues side by side.
+        p2p.prioritise marks the pipeline's and tensor-parallel peers interactive, the dp peers bulk."""
+        with self._lock:
+            self._priority[peer] = priority
+            out = self._out.get(peer)
+        if out is not None:
+            with out.cond:
+                if out.sock is not None:
+                    out.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, priority)
+
     # ---- connections
 
     def _connect(self, peer: int) -> socket.socket:
@@ -340,6 +354,9 @@ class SocketTransport:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             self._socks.append(sock)
+            priority = self._priority.get(peer)
+        if priority is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY, priority)
         sock.sendall(_HELLO.pack(self.nonce, self.rank))
         return sock
 

@@ -128,6 +128,8 @@ class Mesh:
                    direct_collectives=cfg.direct_collectives and gloo)
         if gloo and cfg.transport == "sockets":  # p2p messages over our transport (distributed/p2p.py)
             p2p.use_sockets(mesh.groups())
+            if cfg.transport_priority:
+                p2p.prioritise(interactive=(mesh.tp_group, mesh.pp_group), bulk=(mesh.dp_group,))
         return mesh
 
     def all_reduce(self, t: Tensor, group: dist.ProcessGroup | None, op: str = "sum") -> None:
