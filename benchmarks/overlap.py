@@ -358,10 +358,10 @@ def measure_link(a: argparse.Namespace, pairs: list[list[int]], repeats: int = 4
     """The alpha-beta of the cluster's links as collectives see them, every pair at once (as the tp
     pairs of a dp2 x pp2 x tp2 step communicate), and the host CPU they cost: least-squares lines
     through the time of a 2-rank all-gather of S bytes, t(S) = alpha + S / 2 / bandwidth, and through
-    the machine's busy CPU-seconds per all-gather of one pair (both ends; the kernel's softirq work for
-    veth and tbf included), at the LINK_SIZES. The all-gather goes as the rows' do: direct sends over
-    `--transport` (gloo's own with --gloo-collectives). Every rank calls it (groups are made
-    collectively)."""
+    the machine's busy CPU-seconds an all-gather of one pair adds to a GEMM before it (both ends; the
+    kernel's softirq work for veth and tbf included), at the LINK_SIZES. The all-gather goes as the
+    rows' do: direct sends over `--transport` (gloo's own with --gloo-collectives). Every rank calls
+    it (groups are made collectively)."""
     import torch
     import torch.distributed as dist
 
@@ -379,24 +379,36 @@ def measure_link(a: argparse.Namespace, pairs: list[list[int]], repeats: int = 4
         else:
             direct.start_all_gather(out, mine, group).wait()
 
-    def loop(size: int) -> tuple[float, float]:
-        """(seconds of one all-gather, the machine's CPU-seconds per all-gather of one pair): back to
-        back, as a step's collectives come, between two barriers."""
+    # a layer's GEMM at the ablation's shape, run before each all-gather in the CPU's loops
+    x, w = torch.randn(a.micro * a.seq, a.d_model), torch.randn(a.d_model, 2 * a.d_model)
+
+    def loop(size: int, gemm: bool = False, gather: bool = True) -> tuple[float, float]:
+        """(seconds of one round, the machine's CPU-seconds per round of one pair) of `repeats` rounds
+        between two barriers: an all-gather (back to back, as a step's collectives come), after a GEMM
+        if `gemm`."""
         out, mine = torch.empty(size // 4), torch.ones(size // 8)
         all_gather(out, mine)  # connections made, buffers touched
         dist.barrier()
         busy0, t0 = machine_busy_s(), time.perf_counter()
         for _ in range(repeats):
-            all_gather(out, mine)
+            if gemm:
+                torch.mm(x, w)
+            if gather:
+                all_gather(out, mine)
         dist.barrier()
         wall, busy = time.perf_counter() - t0, machine_busy_s() - busy0
         return wall / repeats, busy / repeats / len(pairs)
 
-    times, cpu = [], []
-    for size in LINK_SIZES:
-        t, c = loop(size)
-        times.append(t)
-        cpu.append(c)
+    # The time line from all-gathers back to back. The CPU line from all-gathers between GEMMs, less
+    # the GEMMs alone: what a message adds to a computing rank, as in a step. Back to back the same
+    # all-gather cost 1.4-1.6x less CPU than the ranks of the ablation's rows spent per message (their
+    # CPU with communication less without): the GEMM after a message runs on caches it evicted, the
+    # message's Python on caches the GEMM did.
+    # Medians over turns that alternate the loops: a difference of two busy times moves with the machine
+    times = [loop(size)[0] for size in LINK_SIZES]
+    turns = [[loop(size, gemm=True)[1] - loop(size, gemm=True, gather=False)[1] for size in LINK_SIZES]
+             for _ in range(5)]
+    cpu = [statistics.median(t[i] for t in turns) for i in range(len(LINK_SIZES))]
     slope, alpha = statistics.linear_regression([s / 2 for s in LINK_SIZES], times)
     cpu_slope, cpu_alpha = statistics.linear_regression([s / 2 for s in LINK_SIZES], cpu)
     return {"latency_s": max(0.0, alpha), "bandwidth": 1 / max(slope, 1e-12), "times": times,
