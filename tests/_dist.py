@@ -13,19 +13,25 @@ taken in between by another test's job (EADDRINUSE, seen in CI).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
+import os
 import queue
+import signal
+import time
 import traceback
 
 import pytest
 import torch
 
 TIMEOUT_S = 300
+GRACE_S = 60  # a run waits this much past a worker's own timeouts, whose errors say more than ours
 
 
 def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
     import torch.distributed as dist
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung pool's stacks (WorkerPool.close)
     torch.set_num_threads(1)  # the machine has 2 cores for everyone
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timeout)
@@ -67,21 +73,35 @@ class WorkerPool:
         for q in self.tasks:
             q.put((fn, args))
         out: dict[int, object] = {}
+        deadline = time.monotonic() + TIMEOUT_S + GRACE_S
         while len(out) < self.world:
             try:
-                rank, ok, value = self.results.get(timeout=TIMEOUT_S)
+                rank, ok, value = self.results.get(timeout=5)
             except queue.Empty:
-                self.close(force=True)
-                raise TimeoutError(f"{fn.__name__}: no answer from the workers in {TIMEOUT_S}s") from None
+                missing = sorted(set(range(self.world)) - set(out))
+                dead = {r: self.procs[r].exitcode for r in missing if not self.procs[r].is_alive()}
+                if dead:  # a worker killed by a signal, or one whose process group never started
+                    self.close(force=True, dump=True)
+                    raise RuntimeError(f"{fn.__name__}: workers died (rank: exit code) {dead}") from None
+                if time.monotonic() < deadline:
+                    continue
+                self.close(force=True, dump=True)
+                raise TimeoutError(f"{fn.__name__}: no answer from ranks {missing} in {TIMEOUT_S + GRACE_S}s "
+                                   "(their stacks are in the captured stderr)") from None
             if not ok:
                 self.close(force=True)
                 raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")
             out[rank] = value
         return [out[r] for r in range(self.world)]
 
-    def close(self, force: bool = False) -> None:
+    def close(self, force: bool = False, dump: bool = False) -> None:
         if self.procs is None:
             return
+        if dump:  # every thread's stack of every live worker, on stderr, before they are killed
+            for p in self.procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGUSR1)
+            time.sleep(2)
         if not force:
             for q in self.tasks:
                 q.put(None)
