@@ -830,7 +830,9 @@ def main() -> int:
     if not ok:
         print(f"overlap: skipped, {why}")
         return 0
-    ensure_dataset(load_config(None, overrides(a, "dp", "serial", "unused")).data, progress=False)
+    # the first measured layout's config (a --set may suit only its dimensions, parallel.vpp pp's)
+    first = a.dims[0] if a.dims else "all"
+    ensure_dataset(load_config(None, overrides(a, first, "serial", "unused")).data, progress=False)
     hosts = 8 if a.ablation else max(DIMS[d][1] for d in a.dims)
     print(f"GPT {a.layers} layers, d_model {a.d_model}, seq {a.seq}, global batch {a.batch} in micro-batches "
           f"of {a.micro} (dp alone: {a.dp_micro or a.batch // 2}); one rank per host, links {a.mbit:.0f} "
