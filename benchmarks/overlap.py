@@ -132,6 +132,14 @@ def overrides(a: argparse.Namespace, dim: str, variant: str, run_dir: str) -> li
     ]
 
 
+def first_config(a: argparse.Namespace):
+    """The first measured layout's config (its dataset is every run's): a --set may suit only some
+    dimensions (parallel.vpp needs pp > 1), so not a layout the run may not measure at all."""
+    from megascale.config import load_config
+
+    return load_config(None, overrides(a, a.dims[0] if a.dims else "all", "serial", "unused"))
+
+
 # ---------------------------------------------------------------------- no-op and recorded collectives
 
 
@@ -755,7 +763,7 @@ def report(dim: str, r: dict) -> str:
             f"exposed {exp}{bubble}; compute x{compute:.2f}")
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dims", nargs="*", default=list(DIMS), choices=list(DIMS),
                    help="the dimensions to measure (none: only --ablation)")
@@ -803,7 +811,11 @@ def main() -> int:
     p.add_argument("--base", help=argparse.SUPPRESS)  # the workers' run directories go under it
     p.add_argument("--row", type=int, default=0, help=argparse.SUPPRESS)  # an ablation job's row
     p.add_argument("--sweep", type=int, default=0, help=argparse.SUPPRESS)  # and its sweep
-    a = p.parse_args()
+    return p
+
+
+def main() -> int:
+    a = parser().parse_args()
     if a.worker == "ablation":
         ablation_worker(a)
         return 0
@@ -822,7 +834,6 @@ def main() -> int:
     a.forward += ["--ablation-rows", *map(str, a.ablation_rows)]
     a.forward += [f"--set={x}" for x in a.set]
 
-    from megascale.config import load_config
     from megascale.data import ensure_dataset
     from megascale.fault import netns
 
@@ -830,9 +841,7 @@ def main() -> int:
     if not ok:
         print(f"overlap: skipped, {why}")
         return 0
-    # the first measured layout's config (a --set may suit only its dimensions, parallel.vpp pp's)
-    first = a.dims[0] if a.dims else "all"
-    ensure_dataset(load_config(None, overrides(a, first, "serial", "unused")).data, progress=False)
+    ensure_dataset(first_config(a).data, progress=False)
     hosts = 8 if a.ablation else max(DIMS[d][1] for d in a.dims)
     print(f"GPT {a.layers} layers, d_model {a.d_model}, seq {a.seq}, global batch {a.batch} in micro-batches "
           f"of {a.micro} (dp alone: {a.dp_micro or a.batch // 2}); one rank per host, links {a.mbit:.0f} "

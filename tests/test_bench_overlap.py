@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from megascale.config import ConfigError
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -77,6 +79,17 @@ def test_hidden_fraction_and_its_interval_over_rounds():
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_a_setting_for_some_layouts_only_is_checked_on_the_first_measured_one():
+    """`--dims all --set parallel.vpp=2`: the dataset's config is the all layout's (pp 2), not dp's, on
+    which interleaving is an error before any run."""
+    ov = _overlap_module()
+    a = ov.parser().parse_args(["--dims", "all", "--pp-ahead", "0", "--set", "parallel.vpp=2"])
+    cfg = ov.first_config(a)
+    assert (cfg.parallel.pp, cfg.parallel.vpp) == (2, 2)
+    with pytest.raises(ConfigError, match="parallel.vpp"):
+        ov.first_config(ov.parser().parse_args(["--dims", "dp", "all", "--set", "parallel.vpp=2"]))
+
+
 def test_each_rank_is_bound_to_its_own_core_unless_told_not_to():
     """Rank r runs on core r (a simulated host's own core) where every rank can have one; with more
     ranks than cores, or --no-pin, the scheduler is left to place them."""
