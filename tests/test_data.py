@@ -183,6 +183,32 @@ def test_prefetch_thread_errors_reach_the_caller(samples, monkeypatch):
     loader.close()
 
 
+def test_a_prefetch_thread_gone_without_a_word_is_an_error_not_a_hang(samples):
+    """A loader thread that ends outside its own error handling (which queues the error) left the step
+    waiting on its queue for ever; now next_batch says so once what it queued is taken."""
+    import threading
+
+    loader = BatchLoader(samples, 4, seed=1, prefetch=2)
+    loader.next_batch()
+    loader._stop.set()  # the thread ends without queueing anything more, as a thread that died would
+    loader._thread.join()
+    outcome: list = []
+
+    def take_all():
+        try:
+            for _ in range(4):  # what it had queued (at most `prefetch` batches), then the error
+                loader.next_batch()
+        except RuntimeError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=take_all, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "next_batch still waiting for a thread that is gone"
+    assert outcome and "prefetch thread" in str(outcome[0]) and "stopped" in str(outcome[0])
+    loader.close()
+
+
 # ---- ensure_dataset
 
 

@@ -133,7 +133,7 @@ class BatchLoader:
         else:
             if self._thread is None:
                 self._start()
-            position, batch = self._queue.get()
+            position, batch = take(self._queue, self._thread, "prefetch")
             if isinstance(batch, BaseException):
                 self._halt()
                 raise batch
@@ -229,6 +229,19 @@ def _produce(ref: weakref.ref, position: int, out: queue.Queue, stop: threading.
         if isinstance(item[1], BaseException):
             return
         position += step
+
+
+def take(out: queue.Queue, thread: threading.Thread, what: str) -> Any:
+    """The next item a loader thread queued. Raises if the thread is gone and nothing is left: one that
+    died outside its own error handling (which queues the error for the caller) would otherwise leave
+    the training step waiting for ever, a hang with nothing in the log."""
+    while True:
+        try:
+            return out.get(timeout=1.0)
+        except queue.Empty:
+            if not thread.is_alive() and out.empty():  # alive first: a last item is queued before it ends
+                raise RuntimeError(f"data: the loader's {what} thread ({thread.name}) stopped and "
+                                   "left no batch") from None
 
 
 def put_unless_stopped(out: queue.Queue, item: Any, stop: threading.Event) -> None:

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megascale.data.loader import BatchLoader, _stop_thread, put_unless_stopped
+from megascale.data.loader import BatchLoader, _stop_thread, put_unless_stopped, take
 from megascale.errors import UserError
 
 MAGIC = int.from_bytes(b"MSDRING1", "little")
@@ -371,7 +371,7 @@ class SharedBatchLoader(BatchLoader):
         else:
             if self._reader is None:
                 self._start_reader()
-            position, item = self._rows.get()
+            position, item = take(self._rows, self._reader, "ring reader")
             if isinstance(item, BaseException):
                 self._halt()
                 raise item
@@ -510,7 +510,11 @@ def _read(ref: weakref.ref, ring: Ring, position: int, out: queue.Queue, stop: t
     It acknowledges nothing (next_batch does, as the caller takes each batch), so the ring keeps every
     batch it copied until then and a reposition can drop the copies."""
     if device is not None:  # a new thread's current device is 0: pinning from it would open a context there
-        torch.cuda.set_device(device)
+        try:
+            torch.cuda.set_device(device)
+        except BaseException as e:  # handed to the caller, as a failed copy is
+            put_unless_stopped(out, (position, e), stop)
+            return
     while not stop.is_set():
         loader = ref()
         if loader is None:
