@@ -5,9 +5,12 @@ module starts its pool once (a module-scoped fixture) and every test sends it wo
 `pool.run(fn, *args)` calls fn(rank, *args) on every rank and returns the results in rank
 order. fn must be a module-level (picklable) function. If a rank raises, the pool is
 closed (the others may be stuck in a collective), the traceback is raised here, and the
-next `run` starts a fresh pool. The pool's store is hosted here, on a port the OS picks and
-that stays bound for the pool's life: a port chosen, released and bound later by rank 0 can be
-taken in between by another test's job (EADDRINUSE, seen in CI).
+next `run` starts a fresh pool. A worker process that dies is named, with its exit code, within
+seconds; a run with no answer after the workers' own timeouts dumps every live worker's stacks
+(faulthandler, into the test's captured stderr) before the pool is killed. The pool's store is
+hosted here, on a port the OS picks and that stays bound for the pool's life: a port chosen,
+released and bound later by rank 0 can be taken in between by another test's job (EADDRINUSE,
+seen in CI).
 """
 
 from __future__ import annotations
