@@ -101,10 +101,10 @@ class WorkerPool:
         if self.procs is None:
             return
         if dump:  # every thread's stack of every live worker, on stderr, before they are killed
-            for p in self.procs:
+            for p in self.procs:  # one at a time: dumps written at once interleave on the shared stderr
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGUSR1)
-            time.sleep(2)
+                    time.sleep(1)
         if not force:
             for q in self.tasks:
                 q.put(None)

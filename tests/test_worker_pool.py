@@ -42,4 +42,5 @@ def test_a_hung_pool_dumps_every_workers_stacks(monkeypatch, capfd):
     finally:
         pool.close(force=True)
     err = capfd.readouterr().err
-    assert err.count("in hang_forever") == 2, err[-2000:]
+    assert err.count("hang_forever") == 2, err[-2000:]  # a frame's name is one write: whole even if
+    # a busy machine delays one dump into the next
