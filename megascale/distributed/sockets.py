@@ -332,10 +332,8 @@ class SocketTransport:
         return handle
 
     def set_priority(self, peer: int, priority: int) -> None:
-        """Mark the connection to `peer` (SO_PRIORITY, now or when it opens): which of a host's send
-        queues its packets wait in where the host's queueing discipline has bands (Linux's
-        pfifo_fast: 6, interactive, before 0, before 2, bulk), as a NIC serves its queues side by side.
-        p2p.prioritise marks the pipeline's and tensor-parallel peers interactive, the dp peers bulk."""
+        """Mark the connection to `peer` with SO_PRIORITY `priority`, now or when it opens (who gets
+        which, and why: p2p.prioritise)."""
         with self._lock:
             self._priority[peer] = priority
             out = self._out.get(peer)

@@ -496,9 +496,7 @@ class SimCluster:
                 "latency", f"{_TBF_LATENCY_MS}ms"]
         for ns, dev in ((self.ns(h), IFNAME), (self.switch, f"port{h}")):
             _tc(ns, "qdisc", "replace", "dev", dev, *args)
-            # what waits for the rate, in pfifo_fast's three bands by the packets' priority (a socket's
-            # SO_PRIORITY), not in one FIFO: a NIC serves its queues side by side, and an activation
-            # must not wait behind a parameter bucket's backlog (distributed/p2p.py prioritise)
+            # what waits for the rate waits by priority, not in one FIFO (the module doc's "Links")
             _tc(ns, "qdisc", "replace", "dev", dev, "parent", "1:1", "handle", "10:", "pfifo_fast")
 
     def unshape(self, h: int) -> None:
