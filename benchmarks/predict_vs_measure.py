@@ -7,7 +7,7 @@ compared with `perf.step.predict` for the same model, batch and layout. The targ
 |error| <= 20%.
 
 Several ranks sharing the machine (dp2 x pp2 x tp2 on simulated hosts) are set beside the planner by
-`benchmarks/overlap.py --ablation`, which also splits their CPU-seconds by cause.
+`benchmarks/ablation.py`, which also splits their CPU-seconds by cause.
 
     .venv/bin/python benchmarks/predict_vs_measure.py [--steps 6] [--no-calibrate]
 
@@ -58,7 +58,7 @@ CASES = [
     ),  # fmt: skip
     ("parallel block, llama style", ['model.block="parallel"', 'model.style="llama"', "model.bias=false"]),
     ("sliding window 64", ['model.attention="sliding"', "model.window=64"]),
-    # the ablation's shapes (benchmarks/overlap.py): short sequences in micro-batches of 2
+    # the ablation's shapes (benchmarks/ablation.py): short sequences in micro-batches of 2
     ("small: 2L s128, mb2 x8", ["model.n_layers=2", "model.seq_len=128", "train.micro_batch=2",
                                "train.global_batch=16"]),
 ]

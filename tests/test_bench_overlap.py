@@ -1,5 +1,5 @@
-"""Smoke test of benchmarks/overlap.py: every dimension's four step times on a simulated cluster, and
-the ablation table."""
+"""Smoke test of benchmarks/overlap.py: every dimension's four step times on a simulated cluster; and
+its no-op collectives, hidden fraction, core binding."""
 
 import os
 import re
@@ -21,9 +21,8 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
 
     require_netns(shaping=True)
     before = set(netns.namespaces())
-    tiny = ["--steps", "1", "--rounds", "1", "--ablation-rounds", "1", "--warmup", "1", "--layers", "2",
-            "--d-model", "32", "--seq", "16", "--batch", "8", "--bucket", "2000", "--mbit", "200",
-            "--ablation", "--ablation-rows", "0", "6", "--no-calibrate",  # a job per row: two rows
+    tiny = ["--steps", "1", "--rounds", "1", "--warmup", "1", "--layers", "2", "--d-model", "32",
+            "--seq", "16", "--batch", "8", "--bucket", "2000", "--mbit", "200",
             "--set", "parallel.dp_tail_buckets=2"]
     r = subprocess.run([sys.executable, "benchmarks/overlap.py", *tiny], cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
@@ -34,23 +33,6 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     assert "exposed dp" in r.stdout and "pp wait" in r.stdout
     waits = r"dp waits \(gathers, reduce-scatters, norms\) [\d./]+ -> \d+\.\d/\d+\.\d/\d+\.\d ms"
     assert len(re.findall(waits, r.stdout)) == 2, r.stdout  # dp's and all's
-    assert re.search(r"^links as measured .*: \d+ us per message, \d+ Mbit/s", r.stdout, re.M), r.stdout
-    if len(os.sched_getaffinity(0)) < 8:  # 8 ranks time-slice the cores: how much speed a core keeps
-        shared = r"^a core time-sliced by \d+ ranks keeps [\d.]+ of its speed"
-        assert re.search(shared, r.stdout, re.M), r.stdout
-    # measured, then the planner with the links' CPU cost and without, each with its error
-    measured_and_planned = (r" +[\d.]+ +\d+ +[\d.]+ +[\d.]+% +[\d.]+ +[+-][\d.]+% +[\d.]+ +[+-][\d.]+%"
-                            r" +[\d.]+ +\d+%$")  # ..., then the machine's CPU-seconds per step and busy
-    rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + measured_and_planned, r.stdout, re.M)
-    assert rows == ["baseline", "+ LAMB, 4x batch"], r.stdout
-    # each row's step by cause, measured / planned
-    split = r" +[\d.]+/[\d.]+" * 5 + r" +-?[\d.]+$"
-    rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + split, r.stdout, re.M)
-    assert rows == ["baseline", "+ LAMB, 4x batch"], r.stdout
-    # each row's CPU-seconds: the machine's, the ranks', the ranks' with no communication, the planner's
-    # (all, compute), and the step with no communication
-    rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + r" +[\d.]+" * 6 + "$", r.stdout, re.M)
-    assert rows == ["baseline", "+ LAMB, 4x batch"], r.stdout
     assert set(netns.namespaces()) <= before  # torn down
 
 

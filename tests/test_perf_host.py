@@ -142,7 +142,7 @@ def test_measuring_runs_the_trainer_and_keeps_only_what_the_kernel_model_does_no
 
 def test_plan_calibrate_stores_and_prints_the_framework_terms(tmp_path, monkeypatch, capsys):
     """`megascale plan --calibrate --cluster cpu` end to end: kernels, then the Trainer's host work, one
-    file the preset is overlaid with (from its default place, or from a path as benchmarks/overlap.py
+    file the preset is overlaid with (from its default place, or from a path as benchmarks/ablation.py
     keeps its own)."""
     import json
 

@@ -9,7 +9,7 @@ message is a header and a payload, written by one thread and read by another:
 `benchmarks/transport.py` gives both transports' wall and CPU per exchange: over three runs
 gloo took 1.3-3.7x our wall time and 1.1-3.8x our CPU for a direct all-gather of 4 KiB - 1 MiB
 (wide swings between runs on a shared VM). The dp2 x pp2 x tp2 ablation's steps
-(`benchmarks/overlap.py --ablation`) are 9-13% shorter on it (two rows, the transports back to back).
+(`benchmarks/ablation.py`) are 9-13% shorter on it (two rows, the transports back to back).
 
 What it carries: the exchanges that are point-to-point underneath, the direct reduce-scatters
 and all-gathers of DP and TP/SP (distributed/direct.py) and the pipeline's activations and

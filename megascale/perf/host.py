@@ -31,7 +31,7 @@ Measured on this 2-core VM (three runs): H 0.17-0.19 ms, B 0.19-0.26 ms, S 0.82-
 ms, 0.03-0.07 ms per tp call, 0.17-0.46 ms per micro-batch for the vocab-parallel loss, in-place
 factors 1.38-1.56 (tp 1) and 2.04-2.38 (tp 2) on the kernels they scale. The block timed alone in a
 loop (session 20's way) saw only about half of that host work and none of the per-step, tp-path or
-in-place costs: the planner's compute was 5-20% under what the ranks of benchmarks/overlap.py spent
+in-place costs: the planner's compute was 5-20% under what the ranks of benchmarks/ablation.py spent
 with their collectives no-ops.
 
 The tp 2 runs are one process in a world of two whose collectives return at once and move nothing

@@ -99,7 +99,7 @@ class ClusterPreset:
     gemm: GemmCurve = field(default_factory=GemmCurve)
     shared_compute: bool = False  # CPU processes on one node share its cores
     # shared_compute: the fraction of its throughput a core keeps when it time-slices several ranks
-    # (benchmarks/overlap.py measures it on its cluster: 4 tp2 ranks a core did their work at 0.78-0.83
+    # (benchmarks/ablation.py measures it on its cluster: 4 tp2 ranks a core did their work at 0.78-0.83
     # of the speed they had on a core each). 1: no loss.
     shared_efficiency: float = 1.0
     # How sliding-window attention runs: "flex" skips masked blocks (FlexAttention on CUDA); "banded"
