@@ -30,8 +30,8 @@ Chunks. Plain TP cuts the flattened tokens (batch * seq rows): contiguous slices
 chunk's all-reduce is elementwise, no reordering. SP cuts each rank's local sequence (dim 1):
 that works at micro-batch 1 (the usual size at scale), where batch chunks could not. The
 all-gather of every rank's local chunk i gives rows rank-major, (tp, batch, seq/(tp c)):
-`_gathered_order` is that chunk's view of a full-sequence tensor, so GEMM results are written
-straight to their place in natural order and reduce-scatter inputs are read from it. Chunk
+`_gathered_order` views a full-sequence tensor in that order, [chunk][rank], so GEMM results are
+written straight to their place in natural order and reduce-scatter inputs are read from it. Chunk
 counts are the largest divisor of the size that is <= tp_overlap_chunks (`num_chunks`): equal
 chunks only, never a ragged one and never a wrong result.
 
@@ -68,10 +68,12 @@ from megascale.parallel.tensor import symm_mem
 from megascale.parallel.tensor.flight import Flight, Overlap, num_chunks
 
 
-def _gathered_order(t: Tensor, i: int, c: int, tp: int) -> Tensor:
-    """Chunk i of a full-sequence (b, s, f) tensor as the all-gather of the ranks' local chunks i
-    lays it out: a (tp, b, s / (tp c), f) view, rank-major."""
-    return t.unflatten(1, (tp, c, -1))[:, :, i].transpose(0, 1)
+def _gathered_order(t: Tensor, c: int, tp: int) -> Tensor:
+    """A full-sequence (b, s, f) tensor as the all-gathers of the ranks' local chunks lay it out: a
+    (c, tp, b, s / (tp c), f) view, [i][r] rank r's rows of chunk i; `t` contiguous (ours always are,
+    an input is made so). Taken once per pass, not per slot: Tensor.unflatten is Python."""
+    b, s, f = t.shape
+    return t.view(b, tp, c, s // (tp * c), f).permute(2, 1, 0, 3, 4)
 
 
 def _amp_state(x: Tensor) -> tuple[str, bool, torch.dtype]:
@@ -127,15 +129,17 @@ class _GatherColumn(torch.autograd.Function):
         flight, own = Flight(ov), [x.narrow(1, i * sc, sc).contiguous() for i in range(c)]
         for i in range(c):
             flight.all_gather(gathered[i], own[i])
-        y = None
+        y = slots = None
         for i in range(c):  # this rank's own rows need no gather: their GEMMs run while chunk 0 travels
             part = F.linear(own[i], w, b)
-            y = part.new_empty((bsz, tp * sl, part.shape[-1])) if y is None else y
-            _gathered_order(y, i, c, tp)[ov.rank].copy_(part)
+            if y is None:
+                y = part.new_empty((bsz, tp * sl, part.shape[-1]))
+                slots = _gathered_order(y, c, tp)
+            slots[i][ov.rank].copy_(part)
         for i in range(c):
             flight.wait(i)  # the gathers of chunks > i go on under this chunk's GEMMs
             for r in ov.peers(tp):
-                _gathered_order(y, i, c, tp)[r].copy_(F.linear(gathered[i][r], w, b))
+                slots[i][r].copy_(F.linear(gathered[i][r], w, b))
         ctx.bias_dtype = None if b is None else b.dtype
         _save(ctx, ov, tp, _amp_state(x), gathered, w)
         return y
@@ -147,11 +151,10 @@ class _GatherColumn(torch.autograd.Function):
         ov = ctx.ov
         flight = Flight(ov)
         with _amp(ctx.amp):
-            gp = g.new_empty((c, tp, bsz, sc, g.shape[-1]))  # g in the gathered order of the input
+            gp = _gathered_order(g.contiguous(), c, tp).contiguous()  # g in the gathered order of the input
             parts = gathered.new_empty((c, tp, bsz, sc, d))  # the dgrad, stacked by the rank it goes to
             dx = []
             for i in range(c):
-                gp[i].copy_(_gathered_order(g, i, c, tp))
                 dx.append(_reduce_scatter_rows(flight, ov, parts[i], lambda r, i=i: gp[i][r] @ w))
             # chunk i's reduce-scatter runs under chunk i+1's dgrad GEMM, the last ones under the own
             # rows' (direct sends) and the weight-gradient GEMM
@@ -205,10 +208,10 @@ class _RowReduceScatter(torch.autograd.Function):
         # every chunk's GEMM results, stacked by the rank each slot's sum goes to
         parts = x.new_empty((c, tp, bsz, s // (tp * c), w.shape[0]), dtype=amp_dtype if amp_on else x.dtype)
         flight, out = Flight(ov), []
+        xs = _gathered_order(x.contiguous(), c, tp)  # [i][r]: the rows of rank r's slot of chunk i
         for i in range(c):
-            xi = _gathered_order(x, i, c, tp)  # (tp, b, chunk, in): the rows of each rank's slot
-            out.append(_reduce_scatter_rows(flight, ov, parts[i], lambda r, xi=xi: F.linear(xi[r], w)))
-        _own_rows_last(ov, parts, lambda i: F.linear(_gathered_order(x, i, c, tp)[ov.rank], w))
+            out.append(_reduce_scatter_rows(flight, ov, parts[i], lambda r, xi=xs[i]: F.linear(xi[r], w)))
+        _own_rows_last(ov, parts, lambda i: F.linear(xs[i][ov.rank], w))
         flight.wait_all()
         ctx.chunks = c
         _save(ctx, ov, tp, amp, x, w)
@@ -225,15 +228,16 @@ class _RowReduceScatter(torch.autograd.Function):
         for i in range(c):
             flight.all_gather(gathered[i], own[i])
         dx, g_full, dw = x.new_empty(x.shape), g.new_empty((bsz, tp * sl, f)), None
+        dx_slots, g_slots = _gathered_order(dx, c, tp), _gathered_order(g_full, c, tp)
         with _amp(ctx.amp):
             for i in range(c):  # the own rows first, while chunk 0's gather travels
-                _gathered_order(dx, i, c, tp)[ov.rank].copy_(own[i] @ w)
-                _gathered_order(g_full, i, c, tp)[ov.rank].copy_(own[i])
+                dx_slots[i][ov.rank].copy_(own[i] @ w)
+                g_slots[i][ov.rank].copy_(own[i])
             for i in range(c):
                 flight.wait(i)  # the gathers of chunks > i go on under this chunk's dgrad GEMMs
                 for r in ov.peers(tp):
-                    _gathered_order(dx, i, c, tp)[r].copy_(gathered[i][r] @ w)
-                    _gathered_order(g_full, i, c, tp)[r].copy_(gathered[i][r])
+                    dx_slots[i][r].copy_(gathered[i][r] @ w)
+                    g_slots[i][r].copy_(gathered[i][r])
             if ctx.needs_input_grad[1]:
                 # one wgrad GEMM in natural order, on the saved input as is: reordering the gradient
                 # (d_model wide) moves fewer bytes than reordering the input (ffn/tp wide) per chunk
