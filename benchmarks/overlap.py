@@ -438,7 +438,23 @@ def report(dim: str, r: dict) -> str:
     return (f"{dim:>4}  T_serial {serial:6.3f}  T_overlap {over:6.3f}  T_nocomm {nocomm:6.3f}  "
             f"T_comm {r['comm']:6.3f} s   H {hidden:6.1%}{spread}   "
             f"T_overlap/T_nocomm {over / nocomm:5.2f}   "
-            f"exposed {exp}{bubble}; compute x{compute:.2f}")
+            f"exposed {exp}{bubble}; compute x{compute:.2f}; {what_is_left(r, streams)}")
+
+
+def what_is_left(r: dict, streams: tuple[str, ...]) -> str:
+    """Where T_overlap - T_nocomm goes, from the timers: the communication still exposed, and the
+    compute slowed by the messages themselves (the overlapped compute less the no-comm variant's, which
+    runs the same overlapped code with its collectives no-ops): the CPU the kernel and the transport
+    spend on a message comes out of the core that computes beside it (a NIC's work on a real host), so
+    no overlap can hide it. And what the overlap's own code costs: the no-comm compute against the
+    serial one (for tp, the GEMMs cut by rank and chunk). Each figure the slowest rank's median, so
+    the two parts need not add up to the difference of the steps."""
+    exposed = sum(r["overlap"][f"exposed_{s}"] for s in streams)
+    slowed = r["overlap"]["compute"] - r["nocomm"]["compute"]
+    own = r["nocomm"]["compute"] / r["serial"]["compute"] if r["serial"]["compute"] else float("nan")
+    return (f"T_overlap - T_nocomm {(r['overlap']['step'] - r['nocomm']['step']) * 1e3:.0f} ms, of it "
+            f"exposed {exposed * 1e3:.0f} ms and the messages' CPU in the compute {slowed * 1e3:.0f} ms; "
+            f"the overlap's own code x{own:.2f} (no-comm compute against serial)")
 
 
 def common_parser(description: str) -> argparse.ArgumentParser:

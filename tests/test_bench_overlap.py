@@ -33,6 +33,9 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     assert "exposed dp" in r.stdout and "pp wait" in r.stdout
     waits = r"dp waits \(gathers, reduce-scatters, norms\) [\d./]+ -> \d+\.\d/\d+\.\d/\d+\.\d ms"
     assert len(re.findall(waits, r.stdout)) == 2, r.stdout  # dp's and all's
+    left = (r"T_overlap - T_nocomm -?\d+ ms, of it exposed -?\d+ ms and the messages' CPU in the compute "
+            r"-?\d+ ms; the overlap's own code x[\d.]+")
+    assert len(re.findall(left, r.stdout)) == 4, r.stdout  # every dimension's
     assert set(netns.namespaces()) <= before  # torn down
 
 
