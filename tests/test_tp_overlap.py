@@ -89,31 +89,35 @@ class _Launches:
         return Pending()
 
 
-def _layer_pair(rank, kind, sp, chunks, batch, seq, direct=True):
+def _layer_pair(rank, kind, sp, chunks, batch, seq, direct=True, autocast=False):
     torch.manual_seed(0)
     mesh = Mesh.build(ParallelConfig(tp=2, direct_collectives=direct))
     ov = overlap_settings(mesh, chunks)
+    dtype = torch.float32 if autocast else F64
     if kind == "column":
         mode = dict(input_mode="gather_seq" if sp else "copy")
-        plain, lap = (ColumnParallelLinear(8, 6, True, mesh, **mode, overlap=o).to(F64) for o in (None, ov))
+        plain, lap = (ColumnParallelLinear(8, 6, True, mesh, **mode, overlap=o).to(dtype) for o in (None, ov))
     else:
         mode = dict(output_mode="reduce_scatter_seq" if sp else "reduce")
-        plain, lap = (RowParallelLinear(8, 6, True, mesh, **mode, overlap=o).to(F64) for o in (None, ov))
+        plain, lap = (RowParallelLinear(8, 6, True, mesh, **mode, overlap=o).to(dtype) for o in (None, ov))
     lap.load_state_dict(plain.state_dict())
     in_seq = seq // 2 if kind == "column" and sp else seq
-    x = torch.randn(batch, in_seq, plain.weight.shape[1], dtype=F64)
+    x = torch.randn(batch, in_seq, plain.weight.shape[1], dtype=dtype)
     out = []
     for layer in (plain, lap):
         rec = _Launches()
         timers.install(rec if layer is lap else None)
         try:
             xi = x.clone().requires_grad_()
-            y = layer(xi)
-            (y * torch.arange(y.numel(), dtype=F64).view_as(y).sin()).sum().backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                y = layer(xi)
+            (y.double() * torch.arange(y.numel(), dtype=F64).view_as(y).sin()).sum().backward()
         finally:
             timers.install(None)
         out.append((y.detach(), xi.grad, layer.weight.grad, layer.bias.grad))
-    diffs = [rel(a, b) for a, b in zip(out[1], out[0], strict=True)]
+    diffs = [rel(a.double(), b.double()) for a, b in zip(out[1], out[0], strict=True)]
+    if autocast:
+        return diffs, [[t.dtype for t in o] for o in out]
     return diffs, rec.issued, rec.waited
 
 
@@ -136,6 +140,19 @@ def test_overlapped_layer_equals_the_plain_layer(pool, kind, sp, chunks, batch, 
     assert all(stream == "tp" and group == "tp" for _, stream, group in issued)
     assert ops.count(CHUNKED[kind][sp]) == n and waited == len(issued)
     assert ops.count("all_gather") == (n if sp else 0)  # column fwd / row bwd under SP
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "gloo"])
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "tp"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_overlapped_layer_under_autocast_returns_what_autocast_does(pool, kind, sp, direct):
+    """bf16 autocast (train.dtype = "bf16"): the overlapped layer's GEMMs in bf16 as autocast's linear runs
+    them (overlap.py casts their operands itself: an out= GEMM is not autocast's), output and gradients in
+    the plain layer's dtypes, values the plain layer's to bf16's precision."""
+    for diffs, dtypes in pool.run(_layer_pair, kind, sp, 2, 2, 12, direct, True):
+        assert dtypes[1] == dtypes[0], dtypes
+        assert dtypes[0][1:] == [torch.float32] * 3, dtypes  # gradients in the input's and parameters'
+        assert max(diffs) < 2e-2, diffs
 
 
 # ---------------------------------------------------------------------------------------
