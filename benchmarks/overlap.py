@@ -442,14 +442,15 @@ def report(dim: str, r: dict) -> str:
 
 
 def what_is_left(r: dict, streams: tuple[str, ...]) -> str:
-    """Where T_overlap - T_nocomm goes, from the timers: the communication still exposed, and the
+    """Where T_overlap - T_nocomm goes, from the timers: the communication still exposed (beyond the
+    no-comm variant's own waits: a pipeline's stages wait for each other there too), and the
     compute slowed by the messages themselves (the overlapped compute less the no-comm variant's, which
     runs the same overlapped code with its collectives no-ops): the CPU the kernel and the transport
     spend on a message comes out of the core that computes beside it (a NIC's work on a real host), so
     no overlap can hide it. And what the overlap's own code costs: the no-comm compute against the
     serial one (for tp, the GEMMs cut by rank and chunk). Each figure the slowest rank's median, so
     the two parts need not add up to the difference of the steps."""
-    exposed = sum(r["overlap"][f"exposed_{s}"] for s in streams)
+    exposed = sum(r["overlap"][f"exposed_{s}"] - r["nocomm"][f"exposed_{s}"] for s in streams)
     slowed = r["overlap"]["compute"] - r["nocomm"]["compute"]
     own = r["nocomm"]["compute"] / r["serial"]["compute"] if r["serial"]["compute"] else float("nan")
     return (f"T_overlap - T_nocomm {(r['overlap']['step'] - r['nocomm']['step']) * 1e3:.0f} ms, of it "
