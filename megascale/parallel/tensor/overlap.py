@@ -76,6 +76,16 @@ def _gathered_order(t: Tensor, c: int, tp: int) -> Tensor:
     return t.view(b, tp, c, s // (tp * c), f).permute(2, 1, 0, 3, 4)
 
 
+def _paired_rows(natural: Tensor, gathered: Tensor, c: int, tp: int) -> tuple[Tensor, Tensor]:
+    """The rows of a full-sequence (b, s, f) tensor and of a (c, tp, b, s / (tp c), g) one in gathered
+    order, as two 2D tensors in one order, for a weight gradient's one GEMM: the narrower of the two is
+    copied into the other's order (the fewer bytes moved), the other stays a view."""
+    nf, gf = natural.shape[-1], gathered.shape[-1]
+    if nf < gf:
+        return _gathered_order(natural.contiguous(), c, tp).reshape(-1, nf), gathered.reshape(-1, gf)
+    return natural.reshape(-1, nf), gathered.permute(2, 1, 0, 3, 4).reshape(-1, gf)
+
+
 def _amp_state(x: Tensor) -> tuple[str, bool, torch.dtype]:
     dev = x.device.type
     return dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
@@ -170,7 +180,7 @@ class _GatherColumn(torch.autograd.Function):
     def backward(ctx, g):
         gathered, w = ctx.saved_tensors
         c, tp, bsz, sc, d = gathered.shape
-        f, ov = g.shape[-1], ctx.ov
+        ov = ctx.ov
         flight = Flight(ov)
         with _amp(ctx.amp):
             dt = _compute_dtype(ctx.amp, g.dtype)
@@ -182,12 +192,9 @@ class _GatherColumn(torch.autograd.Function):
             # rows' (direct sends) and the weight-gradient GEMM
             _own_rows_last(ov, parts, lambda i, o: _gemm_into(o, gs[i][ov.rank], wd))
             dw = None
-            if ctx.needs_input_grad[1]:  # one GEMM, the narrower of g and the input put in the other's order
-                if f < d:
-                    dw = gs.reshape(-1, f).T @ gathered.reshape(-1, d)
-                else:
-                    dw = g.reshape(-1, f).T @ gathered.permute(2, 1, 0, 3, 4).reshape(-1, d)
-                dw = dw.to(w.dtype)
+            if ctx.needs_input_grad[1]:
+                g_rows, x_rows = _paired_rows(g, gathered, c, tp)
+                dw = (g_rows.T @ x_rows).to(w.dtype)
             db = None if ctx.bias_dtype is None else g.sum((0, 1)).to(ctx.bias_dtype)
         flight.wait_all()
         return torch.cat(dx, 1), dw, db, None, None, None
@@ -255,23 +262,20 @@ class _RowReduceScatter(torch.autograd.Function):
         flight, own = Flight(ov), [g.narrow(1, i * sc, sc).contiguous() for i in range(c)]
         for i in range(c):
             flight.all_gather(gathered[i], own[i])
-        dx, g_full, dw = x.new_empty(x.shape), g.new_empty((bsz, tp * sl, f)), None
-        dx_slots, g_slots = _gathered_order(dx, c, tp), _gathered_order(g_full, c, tp)
+        dx, dw = x.new_empty(x.shape), None
+        dx_slots = _gathered_order(dx, c, tp)
         with _amp(ctx.amp):
             dt = _compute_dtype(ctx.amp, g.dtype)
             wd = w.to(dt)
             for i in range(c):  # the own rows first, while chunk 0's gather travels
                 _gemm_into(dx_slots[i][ov.rank], own[i].to(dt), wd)
-                g_slots[i][ov.rank].copy_(own[i])
             for i in range(c):
                 flight.wait(i)  # the gathers of chunks > i go on under this chunk's dgrad GEMMs
                 for r in ov.peers(tp):
                     _gemm_into(dx_slots[i][r], gathered[i][r].to(dt), wd)
-                    g_slots[i][r].copy_(gathered[i][r])
-            if ctx.needs_input_grad[1]:
-                # one wgrad GEMM in natural order, on the saved input as is: reordering the gradient
-                # (d_model wide) moves fewer bytes than reordering the input (ffn/tp wide) per chunk
-                dw = (g_full.flatten(0, 1).T @ x.flatten(0, 1)).to(w.dtype)
+            if ctx.needs_input_grad[1]:  # the gathered g holds this rank's chunks too
+                x_rows, g_rows = _paired_rows(x, gathered, c, tp)
+                dw = (g_rows.T @ x_rows).to(w.dtype)
         return dx, dw, None, None, None
 
 
