@@ -17,11 +17,18 @@ clusters of an earlier run that died unclosed are removed first (never a running
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from megascale.fault import netns
+
+# The smallest run of benchmarks/overlap.py or ablation.py that still takes every path
+TINY_SIM_RUN = ["--steps", "1", "--warmup", "1", "--layers", "2", "--d-model", "32", "--seq", "16",
+                "--batch", "8", "--bucket", "2000", "--mbit", "200", "--set", "parallel.dp_tail_buckets=2"]
 
 
 def require_netns(shaping: bool = False) -> None:
@@ -29,6 +36,18 @@ def require_netns(shaping: bool = False) -> None:
     ok, why = netns.available(shaping=shaping)
     if not ok:
         pytest.skip(f"no simulated cluster here: {why}")
+
+
+def run_benchmark_on_sim_cluster(script: str, *args: str, timeout: float = 600) -> str:
+    """A benchmark that builds its own SimCluster (tbf links), run from the repository: skipped where
+    none can be built; it must succeed and leave no namespace behind. Its stdout."""
+    require_netns(shaping=True)
+    before = set(netns.namespaces())
+    r = subprocess.run([sys.executable, script, *args], cwd=Path(__file__).resolve().parents[1],
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    assert set(netns.namespaces()) <= before  # torn down
+    return r.stdout
 
 
 def make_cluster(request: pytest.FixtureRequest, hosts: int = 2, mbit: float | None = None,
