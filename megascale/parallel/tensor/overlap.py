@@ -30,8 +30,8 @@ Chunks. Plain TP cuts the flattened tokens (batch * seq rows): contiguous slices
 chunk's all-reduce is elementwise, no reordering. SP cuts each rank's local sequence (dim 1):
 that works at micro-batch 1 (the usual size at scale), where batch chunks could not. The
 all-gather of every rank's local chunk i gives rows rank-major, (tp, batch, seq/(tp c)):
-`_gathered_order` views a full-sequence tensor in that order, [chunk][rank], so GEMM results are
-written straight to their place in natural order and reduce-scatter inputs are read from it. Chunk
+`slots.gathered_order` views a full-sequence tensor in that order, [chunk][rank], so GEMMs write
+straight to their place in natural order (`slots.gemm_into`) and reduce-scatter inputs are read from it. Chunk
 counts are the largest divisor of the size that is <= tp_overlap_chunks (`num_chunks`): equal
 chunks only, never a ragged one and never a wrong result.
 
@@ -66,24 +66,7 @@ from torch import Tensor
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.tensor import symm_mem
 from megascale.parallel.tensor.flight import Flight, Overlap, num_chunks
-
-
-def _gathered_order(t: Tensor, c: int, tp: int) -> Tensor:
-    """A full-sequence (b, s, f) tensor as the all-gathers of the ranks' local chunks lay it out: a
-    (c, tp, b, s / (tp c), f) view, [i][r] rank r's rows of chunk i; `t` contiguous (ours always are,
-    an input is made so). Taken once per pass, not per slot: Tensor.unflatten is Python."""
-    b, s, f = t.shape
-    return t.view(b, tp, c, s // (tp * c), f).permute(2, 1, 0, 3, 4)
-
-
-def _paired_rows(natural: Tensor, gathered: Tensor, c: int, tp: int) -> tuple[Tensor, Tensor]:
-    """The rows of a full-sequence (b, s, f) tensor and of a (c, tp, b, s / (tp c), g) one in gathered
-    order, as two 2D tensors in one order, for a weight gradient's one GEMM: the narrower of the two is
-    copied into the other's order (the fewer bytes moved), the other stays a view."""
-    nf, gf = natural.shape[-1], gathered.shape[-1]
-    if nf < gf:
-        return _gathered_order(natural.contiguous(), c, tp).reshape(-1, nf), gathered.reshape(-1, gf)
-    return natural.reshape(-1, nf), gathered.permute(2, 1, 0, 3, 4).reshape(-1, gf)
+from megascale.parallel.tensor.slots import gathered_order, gemm_into, paired_rows
 
 
 def _amp_state(x: Tensor) -> tuple[str, bool, torch.dtype]:
@@ -101,26 +84,6 @@ def _compute_dtype(amp: tuple[str, bool, torch.dtype], dtype: torch.dtype) -> to
     """The dtype autocast would run a GEMM of `dtype` operands in (it leaves float64 alone)."""
     _, enabled, amp_dtype = amp
     return amp_dtype if enabled and dtype != torch.float64 else dtype
-
-
-def _gemm_into(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None = None) -> None:
-    """out[j] = a[j] @ b (+ bias) over dim 0 of 3D views whose every [j] is one contiguous block of rows
-    (a rank's slot of a full-sequence tensor is one block per sequence of the batch), operands in the
-    compute dtype (`_compute_dtype`: an out= GEMM is not autocast's to cast).
-
-    A GEMM per block, written in place where `out` has that dtype: on the slot as a whole matmul copies
-    the strided operand first and its result is copied to its place after. In a fake world (every
-    collective a no-op) a tp2 step's compute with the overlap was x1.13-1.19 the plain path's that way,
-    x1.11-1.12 in place; on the simulated tp2 cluster the no-comm step 5% shorter (README). Where `out`
-    has another dtype (autocast's bf16 GEMMs into a float32 gradient) the result is made, then copied."""
-    if out.dtype != a.dtype:
-        out.copy_(a @ b if bias is None else torch.baddbmm(bias, a, b.expand(len(a), -1, -1)))
-        return
-    for j in range(a.shape[0]):
-        if bias is None:
-            torch.mm(a[j], b, out=out[j])
-        else:
-            torch.addmm(bias, a[j], b, out=out[j])
 
 
 def _save(ctx, ov: Overlap, tp: int, amp, *tensors: Tensor) -> None:
@@ -165,13 +128,13 @@ class _GatherColumn(torch.autograd.Function):
         for i in range(c):
             flight.all_gather(gathered[i], own[i])
         y = x.new_empty((bsz, tp * sl, w.shape[0]), dtype=dt)
-        slots, wt, bias = _gathered_order(y, c, tp), w.t().to(dt), None if b is None else b.to(dt)
+        slots, wt, bias = gathered_order(y, c, tp), w.t().to(dt), None if b is None else b.to(dt)
         for i in range(c):  # this rank's own rows need no gather: their GEMMs run while chunk 0 travels
-            _gemm_into(slots[i][ov.rank], own[i].to(dt), wt, bias)
+            gemm_into(slots[i][ov.rank], own[i].to(dt), wt, bias)
         for i in range(c):
             flight.wait(i)  # the gathers of chunks > i go on under this chunk's GEMMs
             for r in ov.peers(tp):
-                _gemm_into(slots[i][r], gathered[i][r].to(dt), wt, bias)
+                gemm_into(slots[i][r], gathered[i][r].to(dt), wt, bias)
         ctx.bias_dtype = None if b is None else b.dtype
         _save(ctx, ov, tp, amp, gathered, w)
         return y
@@ -184,16 +147,16 @@ class _GatherColumn(torch.autograd.Function):
         flight = Flight(ov)
         with _amp(ctx.amp):
             dt = _compute_dtype(ctx.amp, g.dtype)
-            gs, wd = _gathered_order(g.contiguous().to(dt), c, tp), w.to(dt)  # g as the input was gathered
+            gs, wd = gathered_order(g.contiguous().to(dt), c, tp), w.to(dt)  # g as the input was gathered
             parts = gathered.new_empty((c, tp, bsz, sc, d))  # the dgrad, stacked by the rank it goes to
-            dx = [_reduce_scatter_rows(flight, ov, parts[i], lambda r, o, i=i: _gemm_into(o, gs[i][r], wd))
+            dx = [_reduce_scatter_rows(flight, ov, parts[i], lambda r, o, i=i: gemm_into(o, gs[i][r], wd))
                   for i in range(c)]
             # chunk i's reduce-scatter runs under chunk i+1's dgrad GEMM, the last ones under the own
             # rows' (direct sends) and the weight-gradient GEMM
-            _own_rows_last(ov, parts, lambda i, o: _gemm_into(o, gs[i][ov.rank], wd))
+            _own_rows_last(ov, parts, lambda i, o: gemm_into(o, gs[i][ov.rank], wd))
             dw = None
             if ctx.needs_input_grad[1]:
-                g_rows, x_rows = _paired_rows(g, gathered, c, tp)
+                g_rows, x_rows = paired_rows(g, gathered, c, tp)
                 dw = (g_rows.T @ x_rows).to(w.dtype)
             db = None if ctx.bias_dtype is None else g.sum((0, 1)).to(ctx.bias_dtype)
         flight.wait_all()
@@ -241,10 +204,10 @@ class _RowReduceScatter(torch.autograd.Function):
         # every chunk's GEMM results, stacked by the rank each slot's sum goes to
         parts = x.new_empty((c, tp, bsz, s // (tp * c), w.shape[0]), dtype=dt)
         flight = Flight(ov)
-        xs, wt = _gathered_order(x.contiguous().to(dt), c, tp), w.t().to(dt)  # xs[i][r]: rank r's rows
+        xs, wt = gathered_order(x.contiguous().to(dt), c, tp), w.t().to(dt)  # xs[i][r]: rank r's rows
 
         def rows(i: int, r: int, out: Tensor) -> None:
-            _gemm_into(out, xs[i][r], wt)
+            gemm_into(out, xs[i][r], wt)
         out = [_reduce_scatter_rows(flight, ov, parts[i], lambda r, o, i=i: rows(i, r, o)) for i in range(c)]
         _own_rows_last(ov, parts, lambda i, o: rows(i, ov.rank, o))
         flight.wait_all()
@@ -263,18 +226,18 @@ class _RowReduceScatter(torch.autograd.Function):
         for i in range(c):
             flight.all_gather(gathered[i], own[i])
         dx, dw = x.new_empty(x.shape), None
-        dx_slots = _gathered_order(dx, c, tp)
+        dx_slots = gathered_order(dx, c, tp)
         with _amp(ctx.amp):
             dt = _compute_dtype(ctx.amp, g.dtype)
             wd = w.to(dt)
             for i in range(c):  # the own rows first, while chunk 0's gather travels
-                _gemm_into(dx_slots[i][ov.rank], own[i].to(dt), wd)
+                gemm_into(dx_slots[i][ov.rank], own[i].to(dt), wd)
             for i in range(c):
                 flight.wait(i)  # the gathers of chunks > i go on under this chunk's dgrad GEMMs
                 for r in ov.peers(tp):
-                    _gemm_into(dx_slots[i][r], gathered[i][r].to(dt), wd)
+                    gemm_into(dx_slots[i][r], gathered[i][r].to(dt), wd)
             if ctx.needs_input_grad[1]:  # the gathered g holds this rank's chunks too
-                x_rows, g_rows = _paired_rows(x, gathered, c, tp)
+                x_rows, g_rows = paired_rows(x, gathered, c, tp)
                 dw = (g_rows.T @ x_rows).to(w.dtype)
         return dx, dw, None, None, None
 
