@@ -21,7 +21,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,7 @@ from megascale.data.shared_loader import (
     Ring,
     SharedBatchLoader,
     _alive,
+    _produce,
     default_dir,
     remove_stale,
 )
@@ -153,6 +156,36 @@ def test_the_producer_looks_at_a_full_ring_a_few_times_a_step(tmp_path):
         shared.close(), plain.close()
     print(f"\nthe producer looked {idle} times in an idle second")
     assert 0 < idle < 150
+
+
+def test_the_producer_passes_a_batch_the_consumers_took_from_before_a_reposition(tmp_path):
+    """After a rollback the ring may still hold a batch (2B here) the consumers take before the producer
+    gets to it; the producer, restarted behind them, must not wait for them to come back (they never
+    will): it passes the held batch and writes the next one (3B). Before, it waited for ever at 2B."""
+    ring = _ring(tmp_path / f"{PREFIX}t-p{os.getpid()}", consumers=1, replicas=1, per=B)
+    samples = SyntheticSamples(100, SEQ, 50)
+    shared = SharedBatchLoader(samples, B, seed=7)
+    shared.ring, shared.mode, shared.replicas, shared._me, shared._replica = ring, "ring", [0], 0, 0
+    ring.ack(0, 2 * B)
+    shared._fill(2 * B)  # written before the reposition
+    ring.ack(0, 3 * B)  # the consumer took it from the ring and needs 3B next
+    stop = threading.Event()
+    producer = threading.Thread(target=_produce, args=(weakref.ref(shared), ring, 2 * B, stop), daemon=True)
+    producer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ring.holds(3 * B) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ring.holds(3 * B)
+        want = BatchLoader(samples, B, seed=7)
+        want.load_state_dict({"consumed_samples": 3 * B})
+        got = ring.try_take(3 * B, 0)
+        assert got is not None and np.array_equal(got[0], want.next_batch()[0].numpy())
+        want.close()
+    finally:
+        stop.set()
+        producer.join()
+        shared.close()
 
 
 def test_one_process_loads_as_the_plain_loader():

@@ -40,7 +40,8 @@ matches (the stamps suffice where stores are seen in order, as on x86; the check
 int64 words mod 2^63 at ~45 GB/s where zlib's CRC-32 does ~4, guards weaker orderings): a
 half-written slot, a slot of another position, and (the nonce, checked with the layout when a rank
 attaches) a file of another job or attempt are never read. A slot that still holds p is not
-written again (after a rollback or resume to a batch still in the ring, nothing is read twice).
+written again (after a rollback or resume to a batch still in the ring, nothing is read twice), nor
+waited for: the consumers may have taken it and moved on before the producer gets to it.
 
 Restarts: the leader creates the file under a temporary name and renames it complete; once every
 consumer of the host has mapped it (two gathers, start-up only) the leader unlinks it, so the memory
@@ -480,6 +481,15 @@ def _produce(ref: weakref.ref, ring: Ring, position: int, stop: threading.Event)
     """The leader's producer thread: fill the batches at `position`, `position` + B, ... as slots free."""
     cap, opened = MIN_POLL_S, None
     while not stop.is_set():
+        if ring.holds(position):
+            # Written before a reposition (a rollback, a resume): nothing to write, and nothing to wait
+            # for either. The consumers read such a batch without the producer and may be past it
+            # already; the window, which wants no consumer past the position it writes, would then never
+            # open for it, and the next batch they need would never come (seen in CI: both tp ranks of a
+            # host stuck in next_batch after a NaN rollback). A later write to its slot waits for the
+            # window as any write does, so the batch stays while a consumer still needs it.
+            position += ring.batch
+            continue
         pause, waited = 1e-4, False
         while not ring.window_open(position):
             waited = True
