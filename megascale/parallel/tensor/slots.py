@@ -42,9 +42,11 @@ def gemm_into(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None = None) -> 
     the strided operand first and its result is copied to its place after. In a fake world (every
     collective a no-op) a tp2 step's compute with the overlap was x1.13-1.19 the plain path's that way,
     x1.11-1.12 in place; on the simulated tp2 cluster the no-comm step 5% shorter (README). Where `out`
-    has another dtype (autocast's bf16 GEMMs into a float32 gradient) the result is made, then copied."""
+    has another dtype (autocast's bf16 GEMMs into a float32 gradient) the result is made, then copied:
+    only gradients go there, never with a bias (a forward writes into a tensor of the compute dtype)."""
     if out.dtype != a.dtype:
-        out.copy_(a @ b if bias is None else torch.baddbmm(bias, a, b.expand(len(a), -1, -1)))
+        assert bias is None, "gemm_into: a bias only where out has the compute dtype"
+        out.copy_(a @ b)
         return
     for j in range(a.shape[0]):
         if bias is None:
