@@ -2,7 +2,9 @@
 
 * the ring itself (one process): a slot is taken only complete and for its own position (stamp,
   position and checksum), a file of another job is refused, stale files of dead leaders are removed, a
-  consumer whose leader is gone or whose batch never comes raises instead of waiting;
+  consumer whose leader is gone or whose batch never comes raises instead of waiting; a host's two
+  consumers (threads) stepping in lockstep and repositioned at random (rollbacks, skips) get every
+  batch, with no stall;
 * the loader on 4 gloo processes (synthetic samples that count their reads): the same batches as
   `BatchLoader` on every rank for tp4, dp2 x tp2 (one host and two simulated hosts) and pp4 (the
   middle stages read nothing), through a reposition; each sample read once per host, by its leader;
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -186,6 +189,71 @@ def test_the_producer_passes_a_batch_the_consumers_took_from_before_a_reposition
         stop.set()
         producer.join()
         shared.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_tp_pair_repositioned_at_random_gets_every_batch_and_never_waits_for_ever(tmp_path, seed):
+    """The ring's protocol under what a job does to it: a host's two consumers of one replica (a tp pair:
+    the leader, which also produces, and a peer) take a batch a step in lockstep, each a little late now
+    and then, and every few steps both reposition (a rollback or a skip, up to past the ring's length,
+    the peer a little after the leader, as ranks reach an agreed step). Every batch must be the plain
+    loader's at its position, and none may wait past the loader's timeout (10 s here, where a step
+    takes ms). With the producer waiting for a batch the ring already held (before d219b5a) 11 of 12
+    such seeds stalled."""
+    ring = _ring(tmp_path / f"{PREFIX}t-p{os.getpid()}", consumers=2, replicas=1, per=B)
+    samples = SyntheticSamples(100, SEQ, 50)
+    rng = random.Random(seed)
+    steps, plan, want, at = 150, [], {}, 0  # plan[s]: where both reposition before step s (None: nowhere)
+    plain = BatchLoader(samples, B, seed=7, prefetch=0)
+    for _ in range(steps):
+        plan.append(max(0, at + B * rng.choice([-6, -3, -2, -1, 1, 2, 5])) if rng.random() < 0.08 else None)
+        at = plan[-1] if plan[-1] is not None else at
+        plain.load_state_dict({"consumed_samples": at})
+        want[at] = plain.next_batch()[0]
+        at += B
+    plain.close()
+
+    loaders = []
+    for me in (0, 1):
+        loader = SharedBatchLoader(samples, B, seed=7, timeout_s=10)
+        loader.ring, loader.mode, loader.replicas, loader._me, loader._replica = ring, "ring", [0], me, 0
+        loader.is_leader, loader.leader = me == 0, 0
+        ring.ack(me, 0)
+        loaders.append(loader)
+    step_done = threading.Barrier(2, timeout=60)  # the step's collective
+    failures: list[str] = []
+
+    def rank(me: int) -> None:
+        loader, jitter = loaders[me], random.Random(10 * seed + me)
+        try:
+            for s in range(steps):
+                step_done.wait()
+                if plan[s] is not None:
+                    time.sleep(jitter.random() * 0.01)
+                    loader.load_state_dict({"consumed_samples": plan[s]})
+                time.sleep(jitter.random() * 0.004)
+                p = loader.consumed_samples
+                if not torch.equal(loader.next_batch()[0], want[p]):
+                    failures.append(f"rank {me}, step {s}: not the batch at {p}")
+                    step_done.abort()
+                    return
+        except threading.BrokenBarrierError:
+            return
+        except Exception as e:  # a timeout: the other rank's barrier breaks too
+            failures.append(f"rank {me}: {e}")
+            step_done.abort()
+
+    threads = [threading.Thread(target=rank, args=(me,), daemon=True) for me in (0, 1)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a rank still waits after 120 s"
+        assert not failures, failures
+    finally:
+        for loader in loaders:
+            loader.close()
 
 
 def test_one_process_loads_as_the_plain_loader():
