@@ -386,7 +386,7 @@ class SharedBatchLoader(BatchLoader):
 
     def _fill(self, position: int) -> None:
         """Producer: read the rows of every replica on this host of the batch at `position` into its slot."""
-        ring = self.ring  # _produce passes a position the ring holds already
+        ring = self.ring  # never one the ring holds: _produce passes those without calling this
         c0 = time.thread_time()
         indices = self.stream_indices(position, self.global_batch)
         rows = np.concatenate([indices[self.local_slice(r)] for r in self.replicas])
