@@ -1,10 +1,12 @@
-"""The socket transport (distributed/sockets.py): matching, early messages, dtypes, failures."""
+"""The socket transport (distributed/sockets.py): matching, early messages, dtypes, failures, random traffic."""
 
 from __future__ import annotations
 
 import contextlib
+import random
 import secrets
 import socket
+import threading
 import time
 
 import pytest
@@ -395,3 +397,69 @@ def test_an_all_reduce_over_the_transport_sums_as_gloo_does_and_alike_on_every_r
         assert torch.equal(ours[4], theirs[4])
     for i in range(5):  # every rank has the same bits
         assert all(torch.equal(r[2][0][i], results[0][2][0][i]) for r in results)
+
+
+
+def _wait_all(handles: list) -> None:
+    for h in handles:
+        h.wait(60)
+
+
+def _random_round(t: SocketTransport, rank: int, program, me, r: int) -> list[str]:
+    """One round of `_random_traffic`: the mismatches."""
+    from megascale.distributed.sockets import _PULL_BYTES
+
+    world = dist.get_world_size()
+    msgs = []  # (src, dst, key, numel); a pair's messages of one key arrive in send order
+    for src in range(world):
+        for dst in range(world):
+            for _ in range(program.randint(1, 4) if src != dst else 0):
+                large = program.random() < 0.15
+                numel = (program.randint(_PULL_BYTES // 4 + 1, _PULL_BYTES // 2) if large
+                         else program.choice([0, 1, 7, 1000, 40_000]))
+                msgs.append((src, dst, program.randint(1, 3), numel))
+    mine = [i for i, m in enumerate(msgs) if m[1] == rank]
+    # some receives posted before any send (a prefix of each peer's key, whose receives match in
+    # order), the rest after the sends have had time to land (early messages)
+    by_key: dict[tuple[int, int], list[int]] = {}
+    for i in mine:
+        by_key.setdefault((msgs[i][0], msgs[i][2]), []).append(i)
+    before = sorted(i for ids in by_key.values() for i in ids[:me.randint(0, len(ids))])
+    posted: dict[int, tuple[torch.Tensor, object]] = {}
+    for i in before:
+        posted[i] = (buf := torch.empty(msgs[i][3]), t.irecv(buf, msgs[i][0], msgs[i][2]))
+    dist.barrier()
+    sends = [t.isend(torch.arange(numel, dtype=torch.float32) + 7 * i + r, dst, key)
+             for i, (src, dst, key, numel) in enumerate(msgs) if src == rank]
+    time.sleep(me.random() * 0.02)
+    for i in sorted(set(mine) - set(before)):
+        posted[i] = (buf := torch.empty(msgs[i][3]), t.irecv(buf, msgs[i][0], msgs[i][2]))
+    waits = sorted(posted, key=lambda _: me.random())
+    helper = threading.Thread(target=_wait_all, args=([posted[i][1] for i in waits[::2]],))
+    helper.start()
+    _wait_all([posted[i][1] for i in waits[1::2]])
+    helper.join(120)
+    _wait_all(sends)
+    return [f"round {r}: message {msgs[i]} wrong" for i, (buf, _) in posted.items()
+            if not torch.equal(buf, torch.arange(buf.numel(), dtype=torch.float32) + 7 * i + r)]
+
+
+def _random_traffic(rank: int, seed: int, rounds: int) -> list[str]:
+    """Every rank runs the same random program (one seed): per round, each ordered pair of ranks swaps
+    1-4 messages on random keys, small (read by their wait) and large (> 512 KiB, read by the reader
+    thread as they arrive), a key often twice (matched in order); each receiver posts its receives
+    partly before the sends and partly after them (early messages), and waits for them in a random
+    order, half from a second thread (two waits on one connection). The mismatches."""
+    t = _transport(rank)
+    program, me = random.Random(seed), random.Random(seed * 1000 + rank)  # the job's, this rank's
+    bad = []
+    for r in range(rounds):
+        bad += _random_round(t, rank, program, me, r)
+        dist.barrier()
+    t.close()
+    return bad
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_traffic_arrives_whole_and_in_order_on_every_path(pool, seed):
+    assert pool.run(_random_traffic, seed, 25) == [[]] * 3
