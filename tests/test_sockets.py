@@ -1,4 +1,5 @@
-"""The socket transport (distributed/sockets.py): matching, early messages, dtypes, failures, random traffic."""
+"""The socket transport (distributed/sockets.py): matching, early messages, dtypes, failures, and
+random traffic on every path."""
 
 from __future__ import annotations
 
