@@ -400,7 +400,6 @@ def test_an_all_reduce_over_the_transport_sums_as_gloo_does_and_alike_on_every_r
         assert all(torch.equal(r[2][0][i], results[0][2][0][i]) for r in results)
 
 
-
 def _wait_all(handles: list) -> None:
     for h in handles:
         h.wait(60)
