@@ -118,12 +118,19 @@ def test_stale_ring_files_of_dead_leaders_are_removed(tmp_path):
     assert all(p.exists() for p in keep) and not any(p.exists() for p in stale)
 
 
+def _on_ring(ring: Ring, samples: SyntheticSamples, me: int = 0, leader: bool = True,
+             **kw) -> SharedBatchLoader:
+    """A one-process loader wired to `ring` as the host's consumer `me` of replica 0 would be (the leader,
+    rank 0, produces too), without the start-up's collectives."""
+    loader = SharedBatchLoader(samples, B, seed=7, **kw)
+    loader.ring, loader.mode, loader.replicas, loader._me, loader._replica = ring, "ring", [0], me, 0
+    loader.is_leader, loader.leader = leader, 0
+    return loader
+
+
 def _consumer_of(ring: Ring, timeout_s: float) -> SharedBatchLoader:
     """A one-process loader wired to `ring` as a non-leader consumer would be."""
-    loader = SharedBatchLoader(SyntheticSamples(100, SEQ, 50), B, seed=7, dp_size=2, timeout_s=timeout_s)
-    loader.ring, loader.mode, loader.is_leader, loader.leader = ring, "ring", False, 0
-    loader._me, loader._replica = 0, 0
-    return loader
+    return _on_ring(ring, SyntheticSamples(100, SEQ, 50), leader=False, dp_size=2, timeout_s=timeout_s)
 
 
 def test_a_consumer_never_waits_for_ever(tmp_path):
@@ -142,8 +149,7 @@ def test_the_producer_looks_at_a_full_ring_a_few_times_a_step(tmp_path):
     # here), not every 2 ms (500 looks a second, idle included)
     ring = _ring(tmp_path / f"{PREFIX}t-p{os.getpid()}", consumers=1, replicas=1, per=B)
     samples = SyntheticSamples(100, SEQ, 50)
-    shared, plain = SharedBatchLoader(samples, B, seed=7), BatchLoader(samples, B, seed=7)
-    shared.ring, shared.mode, shared.replicas, shared._me, shared._replica = ring, "ring", [0], 0, 0
+    shared, plain = _on_ring(ring, samples), BatchLoader(samples, B, seed=7)
     ring.ack(0, 0)
     looks, window_open = [], ring.window_open
     ring.window_open = lambda position: looks.append(position) or window_open(position)
@@ -167,8 +173,7 @@ def test_the_producer_passes_a_batch_the_consumers_took_from_before_a_reposition
     will): it passes the held batch and writes the next one (3B). Before, it waited for ever at 2B."""
     ring = _ring(tmp_path / f"{PREFIX}t-p{os.getpid()}", consumers=1, replicas=1, per=B)
     samples = SyntheticSamples(100, SEQ, 50)
-    shared = SharedBatchLoader(samples, B, seed=7)
-    shared.ring, shared.mode, shared.replicas, shared._me, shared._replica = ring, "ring", [0], 0, 0
+    shared = _on_ring(ring, samples)
     ring.ack(0, 2 * B)
     shared._fill(2 * B)  # written before the reposition
     ring.ack(0, 3 * B)  # the consumer took it from the ring and needs 3B next
@@ -213,13 +218,9 @@ def test_a_tp_pair_repositioned_at_random_gets_every_batch_and_never_waits_for_e
         at += B
     plain.close()
 
-    loaders = []
+    loaders = [_on_ring(ring, samples, me, leader=me == 0, timeout_s=10) for me in (0, 1)]
     for me in (0, 1):
-        loader = SharedBatchLoader(samples, B, seed=7, timeout_s=10)
-        loader.ring, loader.mode, loader.replicas, loader._me, loader._replica = ring, "ring", [0], me, 0
-        loader.is_leader, loader.leader = me == 0, 0
         ring.ack(me, 0)
-        loaders.append(loader)
     step_done = threading.Barrier(2, timeout=60)  # the step's collective
     failures: list[str] = []
 
