@@ -447,14 +447,19 @@ def what_is_left(r: dict, streams: tuple[str, ...]) -> str:
     compute slowed by the messages themselves (the overlapped compute less the no-comm variant's, which
     runs the same overlapped code with its collectives no-ops): the CPU the kernel and the transport
     spend on a message comes out of the core that computes beside it (a NIC's work on a real host), so
-    no overlap can hide it. And what the overlap's own code costs: the no-comm compute against the
-    serial one (for tp, the GEMMs cut by rank and chunk). Each figure the slowest rank's median, so
-    the two parts need not add up to the difference of the steps."""
+    no overlap can hide it. Of the exposed part, the waits until the collective's last member arrived
+    (observe.lateness): the ranks' skew, which a synchronous step pays whatever the network (on this VM
+    one rank's backward runs 10-20 ms longer than its peer's in some steps, at random). And what the
+    overlap's own code costs: the no-comm compute against the serial one (for tp, the GEMMs cut by rank
+    and chunk). Each figure the slowest rank's median, so the two parts need not add up to the
+    difference of the steps."""
     exposed = sum(r["overlap"][f"exposed_{s}"] - r["nocomm"][f"exposed_{s}"] for s in streams)
+    late = sum(r["overlap"][f"late_{s}"] - r["nocomm"][f"late_{s}"] for s in streams)
     slowed = r["overlap"]["compute"] - r["nocomm"]["compute"]
     own = r["nocomm"]["compute"] / r["serial"]["compute"] if r["serial"]["compute"] else float("nan")
     return (f"T_overlap - T_nocomm {(r['overlap']['step'] - r['nocomm']['step']) * 1e3:.0f} ms, of it "
-            f"exposed {exposed * 1e3:.0f} ms and the messages' CPU in the compute {slowed * 1e3:.0f} ms; "
+            f"exposed {exposed * 1e3:.0f} ms ({late * 1e3:.0f} of them waiting for a peer to arrive) and "
+            f"the messages' CPU in the compute {slowed * 1e3:.0f} ms; "
             f"the overlap's own code x{own:.2f} (no-comm compute against serial)")
 
 

@@ -24,8 +24,8 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     assert "exposed dp" in out and "pp wait" in out
     waits = r"dp waits \(gathers, reduce-scatters, norms\) [\d./]+ -> \d+\.\d/\d+\.\d/\d+\.\d ms"
     assert len(re.findall(waits, out)) == 2, out  # dp's and all's
-    left = (r"T_overlap - T_nocomm -?\d+ ms, of it exposed -?\d+ ms and the messages' CPU in the compute "
-            r"-?\d+ ms; the overlap's own code x[\d.]+")
+    left = (r"T_overlap - T_nocomm -?\d+ ms, of it exposed -?\d+ ms \(-?\d+ of them waiting for a peer to "
+            r"arrive\) and the messages' CPU in the compute -?\d+ ms; the overlap's own code x[\d.]+")
     assert len(re.findall(left, out)) == 4, out  # every dimension's
 
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from megascale.fault import inject
-from megascale.observe import timers
+from megascale.observe import report, timers
+from megascale.observe.breakdown import median_step, step_breakdown
 from megascale.observe.cli import alignment_latencies
 from megascale.observe.inflight import read_record
 from megascale.observe.stragglers import COMPUTE_OPS, StragglerDetector
@@ -334,6 +335,15 @@ def test_a_slowed_rank_is_named_a_straggler_and_no_other(tmp_path, data):
     windows = [x for x in recs if x["kind"] == "ranks" and x["op"] == "forward"]
     assert len(windows) == 4 and all(len(w["relative"]) == 4 for w in windows)
     assert all(max(range(4), key=lambda i: w["relative"][i]) == 3 for w in windows)
+    # The traces say who the collectives waited for (observe.lateness): rank 3's tp peer (rank 2) waits
+    # for it in each of the step's 2 forwards, 40 ms each, and the dp replica (ranks 0, 1) waits for
+    # the pair; nobody waits for long on ranks 0 and 1. The late part is inside the exposed time.
+    bd = step_breakdown(read_run(run))
+    assert list(bd["kept_waiting"])[0] == 3 and bd["kept_waiting"][3] > 0.06, bd["kept_waiting"]
+    assert all(bd["kept_waiting"].get(r, 0) < 0.02 for r in (0, 1)), bd["kept_waiting"]
+    rank2 = median_step(bd["ranks"][2])
+    assert 0.06 < rank2["late_tp"] <= rank2["exposed_tp"] + 1e-9, rank2
+    assert "waiting for a late peer" in report.median_table(bd) and "rank 3 (" in report.median_table(bd)
 
 
 def test_timers_off_writes_no_trace(tmp_path, data):

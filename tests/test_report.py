@@ -22,6 +22,7 @@ from megascale.errors import UserError
 from megascale.observe import report
 from megascale.observe.breakdown import (
     CATEGORIES,
+    LATE_KEYS,
     max_over_ranks,
     median_step,
     one_step,
@@ -123,7 +124,7 @@ def test_steps_median_max_and_slowest():
     assert bd["median"]["rank0"]["compute"] * 1e3 == pytest.approx(55)
     assert bd["max"][0]["compute"] * 1e3 == pytest.approx(105)
     assert max_over_ranks(bd["ranks"])[2]["wall"] == bd["ranks"][1][2]["wall"]
-    assert median_step({}) == {**dict.fromkeys(CATEGORIES, 0.0), "wall": 0.0}
+    assert median_step({}) == {**dict.fromkeys((*CATEGORIES, *LATE_KEYS), 0.0), "wall": 0.0}
 
 
 # ---------------------------------------------------------------------- a synthetic run on disk

@@ -14,6 +14,11 @@ Categories, in seconds of one step on one rank (they add up to the step's wall t
 * data: waits for the next batch; checkpoint: the training thread blocked by a checkpoint;
 * other: the rest of the wall time (Python overhead, launches, anything not timed).
 
+Beside the categories, a row of step_breakdown holds late_dp, late_tp and late_pp: the part of that
+dimension's exposed collectives spent waiting for a peer to arrive at them, not for the data
+(observe.lateness; part of exposed_*, not added to the wall time again), and the result names the
+ranks the others waited for (`kept_waiting`).
+
 A step's wall time runs from its first event's start to its last event's end on that rank;
 stage 2 of a checkpoint ("persist") runs on a background thread and is left out of it. An
 asynchronous collective (issued at its span's start, waited for at its end) takes its place in
@@ -28,6 +33,8 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 
+from megascale.observe.lateness import KEYS as LATE_KEYS
+from megascale.observe.lateness import late_by_step
 from megascale.observe.trace import Event, RankTrace
 
 CATEGORIES = ("compute", "exposed_dp", "exposed_tp", "exposed_pp", "bubble", "data", "checkpoint", "other")
@@ -35,6 +42,7 @@ COMPUTE_OPS = frozenset({"forward", "backward", "optimizer", "clip"})
 COMM_STREAMS = ("dp", "tp", "pp")
 BACKGROUND_OPS = frozenset({"persist"})  # not on the training thread: not part of a step's wall time
 NS = 1e9
+ROW_KEYS = (*CATEGORIES, *LATE_KEYS, "wall")  # a row's figures: the categories add up to its wall time
 
 Interval = tuple[int, int]
 
@@ -108,7 +116,7 @@ def category(e: Event) -> str | None:
 def one_step(events: list[Event]) -> dict[str, float]:
     """The breakdown (seconds) of one rank's events of one step, plus its "wall" time."""
     timed = [e for e in events if e.op not in BACKGROUND_OPS]
-    out = dict.fromkeys(CATEGORIES, 0.0)
+    out = dict.fromkeys((*CATEGORIES, *LATE_KEYS), 0.0)  # late_*: step_breakdown's, from every rank
     if not timed:
         return {**out, "wall": 0.0}
     waits: list[Interval] = []
@@ -146,8 +154,8 @@ def median_step(per_step: dict[int, dict[str, float]]) -> dict[str, float]:
     if len(steps) > 1:
         steps = steps[1:]
     if not steps:
-        return {**dict.fromkeys(CATEGORIES, 0.0), "wall": 0.0}
-    return {k: statistics.median(per_step[s][k] for s in steps) for k in (*CATEGORIES, "wall")}
+        return dict.fromkeys(ROW_KEYS, 0.0)
+    return {k: statistics.median(per_step[s][k] for s in steps) for k in ROW_KEYS}
 
 
 def max_over_ranks(per_rank: dict[int, dict[int, dict[str, float]]]) -> dict[int, dict[str, float]]:
@@ -156,7 +164,7 @@ def max_over_ranks(per_rank: dict[int, dict[int, dict[str, float]]]) -> dict[int
     out = {}
     for s in steps:
         rows = [r[s] for r in per_rank.values() if s in r]
-        out[s] = {k: max(row[k] for row in rows) for k in (*CATEGORIES, "wall")}
+        out[s] = {k: max(row[k] for row in rows) for k in ROW_KEYS}
     return out
 
 
@@ -165,12 +173,19 @@ def step_breakdown(ranks: dict[int, RankTrace]) -> dict:
 
     Returns {"categories", "steps", "ranks": {rank: {step: row}}, "rank0": {step: row},
     "max": {step: row}, "slowest": rank with the largest median wall time,
-    "median": {"rank0": row, "max": row, "slowest": row}}; a row maps each category and
-    "wall" to seconds. "rank0" is the lowest rank present (rank 0 in a complete run).
+    "median": {"rank0": row, "max": row, "slowest": row}, "kept_waiting": {rank: seconds}}; a row
+    maps each category, each of LATE_KEYS and "wall" to seconds. "rank0" is the lowest rank present
+    (rank 0 in a complete run). "kept_waiting": for each rank some collective waited for, how long
+    the others waited for it per step (summed over the waiters, averaged over the steps after the
+    first), largest first.
     """
     if not ranks:
         raise ValueError("no ranks to break down")
     per_rank = {r: rank_breakdown(t.events) for r, t in sorted(ranks.items())}
+    late, kept = late_by_step(ranks)
+    for r, rows in per_rank.items():
+        for s, row in rows.items():
+            row.update(late[r].get(s, {}))
     first = min(per_rank)
     medians = {r: median_step(rows) for r, rows in per_rank.items()}
     slowest = max(medians, key=lambda r: (medians[r]["wall"], -r))
@@ -184,4 +199,15 @@ def step_breakdown(ranks: dict[int, RankTrace]) -> dict:
         "max": worst,
         "slowest": slowest,
         "median": {"rank0": medians[first], "max": median_step(worst), "slowest": medians[slowest]},
+        "kept_waiting": _mean_per_step(kept, sorted(worst)),
     }
+
+
+def _mean_per_step(kept: dict[int, dict[int, float]], steps: list[int]) -> dict[int, float]:
+    """{rank: seconds the others waited for it per step}, over the steps after the first (the
+    warm-up, as median_step leaves it out), largest first; ranks nobody waited for left out."""
+    steps = steps[1:] if len(steps) > 1 else steps
+    if not steps:
+        return {}
+    mean = {r: sum(by_step.get(s, 0.0) for s in steps) / len(steps) for r, by_step in kept.items()}
+    return dict(sorted(((r, v) for r, v in mean.items() if v > 0), key=lambda x: (-x[1], x[0])))

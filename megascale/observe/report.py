@@ -374,12 +374,32 @@ def median_table(bd: dict) -> str:
     header = ["category", f"rank {bd['rank0_id']} (ms)", f"slowest: rank {bd['slowest']} (ms)",
               "max over ranks (ms)", f"share of rank {bd['rank0_id']}'s step"]
     wall = med["rank0"]["wall"] or float("nan")
-    rows = [[LABELS[c], f"{1e3 * med['rank0'][c]:.2f}", f"{1e3 * med['slowest'][c]:.2f}",
-             f"{1e3 * med['max'][c]:.2f}", f"{100 * med['rank0'][c] / wall:.1f}%"] for c in bd["categories"]]
+    rows = []
+    for c in bd["categories"]:
+        rows.append([LABELS[c], f"{1e3 * med['rank0'][c]:.2f}", f"{1e3 * med['slowest'][c]:.2f}",
+                     f"{1e3 * med['max'][c]:.2f}", f"{100 * med['rank0'][c] / wall:.1f}%"])
+        late = c.replace("exposed_", "late_")  # its part spent waiting for a peer to arrive (lateness.py)
+        if late != c and late in med["max"] and med["max"][late] > 0:
+            ms = [f"{1e3 * med[k][late]:.2f}" for k in ("rank0", "slowest", "max")]
+            rows.append(["… of it, waiting for a late peer", *ms, f"{100 * med['rank0'][late] / wall:.1f}%"])
     rows.append(["step wall time", f"{1e3 * med['rank0']['wall']:.2f}", f"{1e3 * med['slowest']['wall']:.2f}",
                  f"{1e3 * med['max']['wall']:.2f}", "100%"])
     return ('<p class="caption">Medians over steps after the first. "Max over ranks" is per category '
-            "(different ranks), so its column does not add up to a step.</p>" + table(header, rows))
+            "(different ranks), so its column does not add up to a step. A collective's wait until its last "
+            "member arrived is that member's lateness (the ranks' skew), not the network's; the rows "
+            "\"of it, waiting for a late peer\" are that part of the exposed communication above them.</p>"
+            + table(header, rows) + kept_waiting_note(bd.get("kept_waiting", {})))
+
+
+def kept_waiting_note(kept: dict[int, float], shown: int = 5) -> str:
+    """The ranks whose collectives the others waited for the longest (observe.lateness)."""
+    if not kept:
+        return ""
+    top = ", ".join(f"rank {r} ({1e3 * s:.1f} ms)" for r, s in list(kept.items())[:shown])
+    more = f" and {len(kept) - shown} more" if len(kept) > shown else ""
+    return (f"<p>The ranks the others waited for at collectives, by their waiting time per step summed "
+            f"over the waiters: {esc(top)}{esc(more)}. A rank held up by a late peer arrives late itself, "
+            f"so a slow rank's neighbours follow it in this list.</p>")
 
 
 # ---------------------------------------------------------------------- stragglers
