@@ -317,6 +317,37 @@ def test_the_mesh_routes_its_groups_by_parallel_transport(pool):
         assert ours == theirs == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
 
 
+def _timeouts(rank: int):
+    """A direct all-gather's wait on a routed group before and after set_collective_timeout: rank 1 never
+    sends, so rank 0's wait ends at the group's timeout, the new one (not the one asked first)."""
+    from megascale.config import ParallelConfig
+    from megascale.distributed import p2p
+    from megascale.distributed.direct import start_all_gather
+    from megascale.distributed.init import set_collective_timeout
+    from megascale.parallel.mesh import Mesh
+
+    mesh = Mesh.build(ParallelConfig(dp=3))
+    start_all_gather(torch.empty(3), torch.ones(1), mesh.dp_group).wait()  # asks the timeout: cached
+    before = p2p.p2p_timeout(mesh.dp_group)
+    waited = None
+    if rank == 0:  # (a process's own timeouts: the others' barrier below keeps the long one)
+        set_collective_timeout(mesh, 0.5)
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="timed out after 0.5 s"):
+            start_all_gather(torch.empty(3), torch.ones(1), mesh.dp_group, tag=9).wait()
+        waited = time.monotonic() - t0
+        set_collective_timeout(mesh, before.total_seconds())  # the pool's next test: as it was
+    dist.barrier()
+    return rank, before.total_seconds(), waited
+
+
+def test_an_exchange_waits_for_the_timeout_set_last(pool):
+    for rank, before, waited in pool.run(_timeouts):
+        assert before > 0.5
+        if rank == 0:
+            assert waited < 5
+
+
 def _marks(rank: int):
     from megascale.config import ParallelConfig
     from megascale.distributed import p2p

@@ -131,6 +131,7 @@ def set_collective_timeout(mesh, seconds: float) -> None:
     timeout = datetime.timedelta(seconds=seconds)
     for group in (None, *(g for g in mesh.groups() if g is not None)):
         dist.distributed_c10d._set_pg_timeout(timeout, group)
+    p2p.forget_timeouts()  # the direct exchanges' waits take the new ones
 
 
 def shutdown_distributed() -> None:

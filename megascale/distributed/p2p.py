@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import secrets
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -104,9 +105,25 @@ def p2p_timeout(group) -> datetime.timedelta | None:
         return None
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
-        return group._get_backend(torch.device("cpu")).options._timeout
+        return _TIMEOUTS[group]  # asking the backend took ~7 us, and every direct exchange asks
+    except KeyError:
+        pass
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError):  # not gloo: its own waits keep the backend's timeout
-        return None
+        timeout = None
+    _TIMEOUTS[group] = timeout
+    return timeout
+
+
+# group -> its timeout as p2p_timeout found it (weak keys: a destroyed group's entry goes with it);
+# distributed.init.set_collective_timeout, which changes them, empties it
+_TIMEOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def forget_timeouts() -> None:
+    """The groups' timeouts changed: ask the backends again."""
+    _TIMEOUTS.clear()
 
 
 def close() -> None:
