@@ -6,19 +6,22 @@ overrides, no-op collectives and job launching this uses): baseline, + parallel 
 window, + TP overlap, + PP overlap, + DP overlap, + LAMB with a 4x batch. The rows are swept `--sweeps`
 times, a job of fresh processes per row and sweep, medians over the sweeps; each row's tokens/s and MFU.
 
-Beside each row the planner's step time twice, on the CPU preset calibrated at the end of the run
-(`megascale plan --calibrate` into a file of its own: perf/calibrate.py's kernels and perf/host.py's
-framework work, as the machine runs then). Both use the links' tbf rate and veth's latency. "planner"
-adds what a message costs the host's CPU (gloo's copies, the kernel's TCP work), fitted here on 2-rank
-all-gathers of three sizes, all pairs at once, from the machine's busy time: 8 ranks share 2 cores,
-so that CPU competes with the compute, and perf/step.py bounds the step by the sum (`rank_cpu_seconds`).
-"nominal" leaves it out, as a GPU cluster's NICs and copy engines do. The table also gives each row's
-machine CPU-seconds per step and how busy the cores were, and then each row's step split by cause
-(compute, tp, pp, dp, other; the planner's "cpu" column is its CPU bound's excess over its timeline)
-as the timers measured it and as the planner has it, and last each row's CPU-seconds per step: the
-machine's, the ranks' own (their threads and system calls: nearly all of the machine's, softirq
-included), the ranks' again with every dp, pp and tp collective a no-op (`--steps` more steps), and
-the planner's (all, and its compute alone). That last table says where the planner's error lies.
+Beside each row the planner's step time twice, on the CPU preset calibrated before the first sweep and
+after each (`megascale plan --calibrate` into files of their own: perf/calibrate.py's kernels and
+perf/host.py's framework work, as the machine runs then), per row the median over the calibrations:
+three calibrations back to back on this VM predicted the baseline row at 0.94, 0.84 and 0.89 s, and with
+one calibration at the end of each run the planner's compute fell by 25% from one run to the next, while
+the rows are medians over sweeps that span the whole run. Both use the links' tbf rate and veth's
+latency. "planner" adds what a message costs the host's CPU (gloo's copies, the kernel's TCP work),
+fitted here on 2-rank all-gathers of three sizes, all pairs at once, from the machine's busy time: 8
+ranks share 2 cores, so that CPU competes with the compute, and perf/step.py bounds the step by the sum
+(`rank_cpu_seconds`). "nominal" leaves it out, as a GPU cluster's NICs and copy engines do. The table
+also gives each row's machine CPU-seconds per step and how busy the cores were, and then each row's step
+split by cause (compute, tp, pp, dp, other; the planner's "cpu" column is its CPU bound's excess over
+its timeline) as the timers measured it and as the planner has it, and last each row's CPU-seconds per
+step: the machine's, the ranks' own (their threads and system calls: nearly all of the machine's,
+softirq included), the ranks' again with every dp, pp and tp collective a no-op (`--steps` more steps),
+and the planner's (all, and its compute alone). That last table says where the planner's error lies.
 
     sudo .venv/bin/python benchmarks/ablation.py [--sweeps 3] [--rows 0 3 5] [--mbit 1000]
 
@@ -89,20 +92,14 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
     message costs no CPU, as on a GPU cluster). One perf.step.Prediction per row, with its breakdown."""
     import dataclasses
 
-    import torch
-
     from megascale.config import load_config
     from megascale.data.tokenizer import build_tokenizer
-    from megascale.perf.calibrate import calibrate
     from megascale.perf.presets import Link, apply_calibration, load_preset
     from megascale.perf.step import Layout, Settings, predict
 
     cpu = load_preset("cpu", use_calibration=a.no_calibrate)
     if not a.no_calibrate:
-        calibration = calibration or Path(tempfile.mkdtemp()) / "cpu.json"
-        if not calibration.exists():  # now, on one thread as each rank runs, in CPU time
-            torch.set_num_threads(1)
-            calibrate(cpu, out=calibration, clock="cpu")
+        calibration = calibration or calibrate_cpu(Path(tempfile.mkdtemp()) / "cpu.json")
         cpu = apply_calibration(cpu, calibration)
     link = Link(bandwidth=a.mbit * 1e6 / 8, efficiency=0.95, latency_s=150e-6)  # tbf rate; veth + bridge
     if measured is not None:  # the fit is of a 2-rank all-gather's CPU, both ends: half per rank
@@ -125,6 +122,26 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
                      sequence_parallel=p.sequence_parallel)
         out.append(predict(m, lay, sim, settings, cfg.train.global_batch, policy="fp32", explain=True))
     return out
+
+
+def calibrate_cpu(path: Path) -> Path:
+    """The CPU preset calibrated now into `path` (`megascale plan --calibrate --cluster cpu`), on one
+    thread as each rank runs, in CPU time."""
+    import torch
+
+    from megascale.perf.calibrate import calibrate
+    from megascale.perf.presets import load_preset
+
+    torch.set_num_threads(1)
+    calibrate(load_preset("cpu", use_calibration=False), out=path, clock="cpu")
+    return path
+
+
+def median_prediction(per_calibration: list[list]) -> list:
+    """Per row, of its predictions on each calibration, the one with the median step time (the lower
+    middle one of an even count)."""
+    rows = zip(*per_calibration, strict=True)
+    return [sorted(row, key=lambda p: p.step_time)[(len(row) - 1) // 2] for row in rows]
 
 
 # Message sizes (bytes of the whole tensor) the link is fitted on, around the ablation's tp messages
@@ -339,9 +356,10 @@ def row_worker(a: argparse.Namespace) -> None:
     shutdown_distributed()
 
 
-def run_ablation(cluster, a: argparse.Namespace) -> tuple[list[dict], dict]:
+def run_ablation(cluster, a: argparse.Namespace, after_sweep=lambda: None) -> tuple[list[dict], dict]:
     """Every row's figures over `--sweeps` sweeps of the rows (a job per row and sweep, so the
-    machine's drift falls on every row in several places), and the links as measured."""
+    machine's drift falls on every row in several places), and the links as measured; `after_sweep()`
+    runs after each sweep."""
     got: list[dict] = [{} for _ in a.rows]
     link = None
     for sweep in range(a.sweeps):
@@ -351,6 +369,7 @@ def run_ablation(cluster, a: argparse.Namespace) -> tuple[list[dict], dict]:
             link = job.pop("link", link)
             for k, v in job.items():
                 g[k] = g.get(k, 0 if isinstance(v, float) else []) + v
+        after_sweep()
     rows = []
     for (name, _), g in zip([ABLATION[i] for i in a.rows], got, strict=True):
         n = len(g["step_s"])
@@ -401,14 +420,27 @@ def main() -> int:
           f"(+ {a.steps} with no communication)", flush=True)
     with netns.SimCluster(8, mbit=a.mbit, mtu=a.mtu) as cluster, tempfile.TemporaryDirectory() as tmp:
         a.forward.append(f"--base={a.keep or tmp}")  # --keep: the runs' directories stay for a look
-        rows, link = run_ablation(cluster, a)
+        # the CPU preset calibrated before the first sweep and after each (a calibration is a moment
+        # of a drifting machine; the rows' medians span the run)
+        calibrations: list[Path] = []
+
+        def calibrate_now() -> None:
+            if not a.no_calibrate:
+                calibrations.append(calibrate_cpu(Path(tmp) / f"cpu-{len(calibrations)}.json"))
+
+        calibrate_now()
+        rows, link = run_ablation(cluster, a, after_sweep=calibrate_now)
         sharing = measure_sharing(cluster, a)
-        # the planner: the CPU preset as calibrated here (`megascale plan --calibrate --cluster cpu`),
-        # the cores' speed shared as measured, its links at the tbf rate (nominal) and as fitted on
-        # the cluster (measured)
-        calibration = Path(tmp) / "cpu.json"  # the first call calibrates the CPU into it
-        planned = predicted_steps(a, 8, link, sharing, calibration)
-        nominal = [x.step_time for x in predicted_steps(a, 8, sharing=sharing, calibration=calibration)]
+        # the planner on each calibration, the cores' speed shared as measured, its links at the tbf
+        # rate (nominal) and as fitted on the cluster (measured); per row the median over calibrations
+        each = [predicted_steps(a, 8, link, sharing, c) for c in calibrations or [None]]
+        planned = median_prediction(each)
+        nominal = [x.step_time for x in median_prediction(
+            [predicted_steps(a, 8, sharing=sharing, calibration=c) for c in calibrations or [None]])]
+        if len(each) > 1:
+            print(f"the planner: per row the median over {len(each)} calibrations of this CPU (before the "
+                  f"first sweep and after each); the first row on each: "
+                  f"{', '.join(f'{p[0].step_time:.3f}' for p in each)} s")
         if sharing:
             print(f"a core time-sliced by {sharing['ranks_per_core']:.0f} ranks keeps "
                   f"{sharing['efficiency']:.2f} of its speed (a tp2 rank's no-comm step "

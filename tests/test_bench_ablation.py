@@ -27,3 +27,24 @@ def test_ablation_benchmark_runs_on_a_simulated_cluster():
     # (all, compute), and the step with no communication
     rows = re.findall(r"^(baseline|\+ [\w ,]+?)" + r" +[\d.]+" * 6 + "$", out, re.M)
     assert rows == ["baseline", "+ LAMB, 4x batch"], out
+
+
+def test_each_rows_planner_is_the_median_over_the_calibrations():
+    """ablation.py calibrates the CPU before the first sweep and after each: per row, the prediction
+    with the median step time (the lower middle one of an even count)."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ablation.py"  # (it finds overlap.py itself)
+    spec = importlib.util.spec_from_file_location("ablation_bench", path)
+    ablation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablation)
+
+    def on(*steps):  # one calibration's predictions, a row each
+        return [SimpleNamespace(step_time=s) for s in steps]
+
+    runs = [on(1.0, 5.0), on(3.0, 4.0), on(2.0, 6.0)]
+    assert [p.step_time for p in ablation.median_prediction(runs)] == [2.0, 5.0]
+    assert [p.step_time for p in ablation.median_prediction(runs[:2])] == [1.0, 4.0]
+    assert ablation.median_prediction(runs[:1]) == runs[0]
