@@ -82,14 +82,13 @@ def ablation_rows(a: argparse.Namespace, base: str) -> list[tuple[str, list[str]
 
 def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = None,
                     sharing: dict | None = None, calibration: Path | None = None) -> list:
-    """The planner's step time for each ablation row, on this machine's CPU preset calibrated now (into
-    a file of its own, or the one at `calibration`; `--no-calibrate`: as stored, placeholders if never
-    calibrated: the machine's speed drifts by 20% in minutes, a calibration of another hour predicts
-    another machine) made into the simulated cluster: the ranks sharing this machine's cores (at the
-    speed `sharing`, from
-    measure_sharing, says a shared core keeps), every link the tbf rate with veth's latency and, given
-    `measured` (measure_link), the host CPU its messages cost as fitted on the cluster (without it a
-    message costs no CPU, as on a GPU cluster). One perf.step.Prediction per row, with its breakdown."""
+    """The planner's step time for each ablation row, on this machine's CPU preset as calibrated into
+    `calibration` (calibrate_cpu; None, with `--no-calibrate`: as stored, placeholders if never
+    calibrated) made into the simulated cluster: the ranks sharing this machine's cores (at the speed
+    `sharing`, from measure_sharing, says a shared core keeps), every link the tbf rate with veth's
+    latency and, given `measured` (measure_link), the host CPU its messages cost as fitted on the
+    cluster (without it a message costs no CPU, as on a GPU cluster). One perf.step.Prediction per row,
+    with its breakdown."""
     import dataclasses
 
     from megascale.config import load_config
@@ -97,9 +96,8 @@ def predicted_steps(a: argparse.Namespace, world: int, measured: dict | None = N
     from megascale.perf.presets import Link, apply_calibration, load_preset
     from megascale.perf.step import Layout, Settings, predict
 
-    cpu = load_preset("cpu", use_calibration=a.no_calibrate)
-    if not a.no_calibrate:
-        calibration = calibration or calibrate_cpu(Path(tempfile.mkdtemp()) / "cpu.json")
+    cpu = load_preset("cpu", use_calibration=calibration is None)
+    if calibration is not None:
         cpu = apply_calibration(cpu, calibration)
     link = Link(bandwidth=a.mbit * 1e6 / 8, efficiency=0.95, latency_s=150e-6)  # tbf rate; veth + bridge
     if measured is not None:  # the fit is of a 2-rank all-gather's CPU, both ends: half per rank

@@ -93,7 +93,7 @@ def start_all_gather(out: Tensor, inp: Tensor, group, tag: int = 0) -> Exchange:
 
 def gather_rows(t: Tensor, group, tag: int = 0) -> Tensor:
     """Every rank's `t` over `group`, stacked in group rank order: (n, *t.shape), one exchange."""
-    rows = t.new_empty((dist.get_world_size(group), *t.shape))
+    rows = t.new_empty((len(_members(group)[0]), *t.shape))
     start_all_gather(rows, t.contiguous(), group, tag).wait()
     return rows
 
@@ -121,7 +121,8 @@ def all_reduce(t: Tensor, group, tag: int = 0, op: str = "sum") -> None:
     (benchmarks/transport.py)."""
     if op not in ("sum", "max"):
         raise ValueError(f"all_reduce: op must be 'sum' or 'max', got {op!r}")
-    n = dist.get_world_size(group)
+    ranks, me = _members(group)
+    n = len(ranks)
     if n == 1:
         return
     flat = t.reshape(-1)  # a view of t where t is contiguous, a copy otherwise
@@ -136,7 +137,7 @@ def all_reduce(t: Tensor, group, tag: int = 0, op: str = "sum") -> None:
     pad = -flat.numel() % n
     buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
     chunk = buf.numel() // n
-    own = buf.narrow(0, dist.get_rank(group) * chunk, chunk)
+    own = buf.narrow(0, me * chunk, chunk)
     start_reduce_scatter(own, buf, group, tag).wait()
     start_all_gather(buf, own, group, tag).wait()
     if pad or not t.is_contiguous():  # the sums are in a copy: back into t

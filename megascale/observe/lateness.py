@@ -35,17 +35,14 @@ NS = 1e9
 Key = tuple[tuple[int, ...], str, int]  # (members, group name, sequence number)
 
 
-def _members(t: RankTrace, group: str | None) -> tuple[int, ...] | None:
-    members = t.header.get("groups", {}).get(group) if group else None
-    return tuple(members) if members and len(members) > 1 else None
-
-
 def _collectives(ranks: dict[int, RankTrace]) -> dict[Key, dict[int, list[Event]]]:
-    """{key: {rank: its events of that key}} of every group collective in the traces."""
+    """{key: {rank: its events of that key}} of every group collective in the traces (a group of one
+    rank waits for nobody)."""
     out: dict[Key, dict[int, list[Event]]] = defaultdict(lambda: defaultdict(list))
     for r, t in ranks.items():
+        groups = {name: tuple(m) for name, m in t.header.get("groups", {}).items() if len(m) > 1}
         for e in t.events:
-            if e.stream in STREAMS and e.peer < 0 and e.seq > 0 and (m := _members(t, e.group)):
+            if e.stream in STREAMS and e.peer < 0 and e.seq > 0 and (m := groups.get(e.group)):
                 out[(m, e.group, e.seq)][r].append(e)
     return out
 
