@@ -62,6 +62,7 @@ from megascale.model import GPT
 from megascale.observe import timers
 from megascale.observe.metrics import MetricsLogger
 from megascale.observe.session import Observer
+from megascale.observe.stragglers import costliest
 from megascale.observe.watchdog import enable_flight_recorder
 from megascale.optim import lr_at, set_lr
 from megascale.parallel.engine import ParallelEngine, layout_of
@@ -219,6 +220,12 @@ class Trainer:
         the blocklist), the others restart without it (exit 5), as after a failed self-check."""
         why = (f"straggler: rank {rec['rank']} {100 * rec['slower_by']:.0f}% slower in {rec['op']} than the "
                f"median of its peers for {rec['windows']} windows (fault.evict_stragglers)")
+        if rec["host"] in self.observer.store_hosts:
+            # its agent serves the rendezvous store: its leaving would end the job, a slow host only slows it
+            self._warn(f"host {rec['host']} is not evicted ({why}): its agent serves the rendezvous store "
+                       "(--rdzv-endpoint), so the job would end with it. A store outside the job "
+                       "(megascale rdzv-store) lets any host be evicted")
+            return
         if rec["host"] == host_id():
             if self.dist.local_rank == 0:
                 blocklist.add(self.run_dir, rec["host"], why, os.environ.get("TORCHELASTIC_RUN_ID", ""))
@@ -409,8 +416,9 @@ class Trainer:
                 # shrunk job's two tp peers flag each other on a noisy machine)
                 if slow and cfg.fault.evict_stragglers and under_launcher() \
                         and len(set(self.observer.hosts)) > 1:
-                    # the slowest: on a shared machine a healthy rank is flagged now and then too
-                    self._evict_straggler(max(slow, key=lambda r: (r["slower_by"], -r["rank"])))
+                    # on a shared machine a healthy rank is flagged now and then too: the one that
+                    # costs the step most goes
+                    self._evict_straggler(costliest(slow))
                 self.heartbeat.update(step=s.step, loss=s.loss, tokens_per_s=s.tokens_per_s,
                                       status="training")
                 if self._stopping() is not None:

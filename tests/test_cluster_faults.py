@@ -27,6 +27,7 @@ from _cluster import make_cluster
 from megascale.checkpoint.model_state import read_model_state
 from megascale.fault import blocklist
 from megascale.observe.metrics import read_metrics
+from megascale.observe.stragglers import costliest
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.dropout=0.0",
@@ -270,10 +271,50 @@ def test_a_straggling_host_is_evicted_when_asked_and_the_job_goes_on_without_it(
     # host 1's ranks are flagged (on this loaded machine a host-0 rank may be too, far less slow: the
     # slowest one's host is the one evicted)
     assert cluster.addr(1) in {s["host"] for s in stragglers}, stragglers
-    assert max(stragglers, key=lambda s: s["slower_by"])["host"] == cluster.addr(1), stragglers
+    assert costliest(stragglers)["host"] == cluster.addr(1), stragglers
     layouts = [r["dp"] for r in read_metrics(run / "metrics.jsonl", "layout")]
     assert layouts[0] == 2 and layouts[-1] == 1, layouts
     _close(run, reference)
+
+
+def test_a_straggling_host_that_serves_the_store_stays_and_the_job_goes_on(request, tmp_path, data,
+                                                                          reference):
+    """Host 0's agent serves the rendezvous store: evicting it for being slow would end the job, so it
+    stays, with a warning saying why. (A shrinkable job: should host 1's ranks be flagged too, by a
+    preemption on this shared machine, host 1 is evicted and host 0 finishes alone.)"""
+    cluster = make_cluster(request, hosts=2)
+    run, a0 = tmp_path / "run", cluster.addr(0)
+    codes = _shrinking(cluster, run, data, tmp_path, f"delay@forward:0.1:host={a0}", "slowstore",
+                       "fault.evict_stragglers=true", "observe.straggler_window=2",
+                       "observe.straggler_windows=2")
+    logs = _logs(run)
+    assert codes[0] == 0 and codes[1] in (0, 4), logs[-4000:]
+    assert re.search(rf"host {re.escape(a0)} is not evicted \(straggler: rank [01] .*serves the "
+                     r"rendezvous store", logs), logs[-4000:]
+    assert blocklist.entry(run, a0) is None
+    stragglers = read_metrics(run / "metrics.jsonl", "straggler")
+    assert costliest(stragglers)["host"] == a0, stragglers
+    (_equal if codes[1] == 0 else _close)(run, reference)
+
+
+def test_when_the_store_host_is_evicted_the_others_end_at_once_saying_why(request, tmp_path, data):
+    """Host 0, whose agent serves the store, crashes and fails its self-check: it leaves (exit 4) and
+    the store with it. Host 1 does not wait out the 120 s join timeout: the store's host is on the
+    blocklist and does not come back, so its agent ends (exit 1) naming the cause and the way out."""
+    cluster = make_cluster(request, hosts=2)
+    run, a0 = tmp_path / "run", cluster.addr(0)
+    faults = f"kill@step:7:host={a0},fail@selfcheck:1:host={a0}:attempt=1"
+    codes = _wait([_agent(cluster, h, run, data, faults, job="storegone", extra=_own_memory(tmp_path, h))
+                   for h in (0, 1)], timeout=240)
+    logs = _logs(run)
+    assert codes == [4, 1], logs[-4000:]
+    # it gave up at its first failed call in the new round, not after a line every 10 s for 120 s
+    retries = (run.parent / "host1.log").read_text().count("unreachable (joining the next round)")
+    assert retries <= 1, logs[-4000:]
+    assert re.search(rf"the rendezvous store at {re.escape(a0)}:29400 is gone \(.*\): its host "
+                     rf"{re.escape(a0)} was evicted \(.*injected.*\) and does not come back\. .*megascale "
+                     "rdzv-store", logs), logs[-4000:]
+    assert "Traceback" not in logs.split("is gone (")[-1], logs[-4000:]
 
 
 def test_a_hung_rank_is_named_and_the_job_goes_on_without_its_host(request, tmp_path, data, reference):

@@ -23,7 +23,7 @@ from megascale.observe import report, timers
 from megascale.observe.breakdown import median_step, step_breakdown
 from megascale.observe.cli import alignment_latencies
 from megascale.observe.inflight import read_record
-from megascale.observe.stragglers import COMPUTE_OPS, StragglerDetector
+from megascale.observe.stragglers import COMPUTE_OPS, StragglerDetector, costliest
 from megascale.observe.timeline import build_timeline
 from megascale.observe.trace import p2p_pairs, read_rank, read_run
 
@@ -226,6 +226,24 @@ def test_a_persistently_slow_rank_is_named_and_no_other():
     # the different pipeline stages (10 ms vs 20 ms) are not compared with each other
     rel = ranks[0]["relative"]
     assert all(0.85 < v < 1.15 for i, v in enumerate(rel) if i != 5)
+
+
+def test_the_straggler_evicted_is_the_one_that_costs_the_step_most():
+    """Host 1's ranks (2, 3) sleep 0.1 s a forward; a healthy host-0 rank's 1 ms optimizer catches a
+    preemption (40 ms) in both windows: by ratio (40x against ~24x) that rank would go, by the
+    seconds the step waits (0.04 against 0.1) host 1 goes."""
+    det = StragglerDetector(_mesh_coords(2, 1, 2), ["h0", "h0", "h1", "h1"], threshold=0.1, windows=2)
+    found = []
+    for _ in range(2):
+        seconds = np.array([[0.0044, 0.0031, 0.041],  # forward, backward, optimizer
+                            [0.0042, 0.0031, 0.0010],
+                            [0.1050, 0.0031, 0.0010],
+                            [0.1065, 0.0031, 0.0010]])
+        found += det.update(2, 1, seconds)[1]
+    assert {(f["rank"], f["op"]) for f in found} == {(0, "optimizer"), (2, "forward"), (3, "forward")}
+    assert max(found, key=lambda f: f["slower_by"])["rank"] == 0  # what the ratio would evict
+    worst = costliest(found)
+    assert (worst["rank"], worst["host"], worst["op"]) == (3, "h1", "forward")
 
 
 def test_stages_of_one_rank_have_nobody_to_compare_with():

@@ -89,6 +89,7 @@ def make_agent_class():
         beat_store = None  # this host's beat store (a TCPStore server on 127.0.0.1, in this process)
         host = ""  # this host's id (MEGASCALE_HOST_ID)
         run_dir = ""  # the run's directory: its blocklist
+        store_host = ""  # the --rdzv-endpoint's host: where the rendezvous store is served
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -149,7 +150,8 @@ def make_agent_class():
                     os.environ["MEGASCALE_BEAT_GEN"] = str(self._generation)
                     return
                 except RendezvousConnectionError:
-                    if time.monotonic() > deadline:
+                    # an evicted store host does not come back (its agent refuses to join): no use waiting
+                    if time.monotonic() > deadline or blocklist.entry(self.run_dir, self.store_host):
                         raise
                     self._store_unreachable("joining the next round")
                     time.sleep(2.0)
@@ -365,13 +367,20 @@ def _beat_store():
 
 
 @contextmanager
-def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, beat_store):
+def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, beat_store, store_host: str):
     """elastic_launch builds a LocalElasticAgent by name; for this call it builds ours."""
     cls = make_agent_class()
     cls.fault, cls.multi_host, cls.host, cls.run_dir = fault, multi_host, host, run_dir
+    cls.store_host = store_host
     cls.beat_store = beat_store
     with elastic_agent(cls):
         yield cls
+
+
+def _endpoint_host(endpoint: str) -> str:
+    """HOST of HOST:PORT ([v6]:PORT too), as a host id names it."""
+    host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
+    return host.strip("[]")
 
 
 def rendezvous_configs(min_nodes: int, max_nodes: int, fault: FaultConfig) -> dict:
@@ -440,6 +449,7 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
                rdzv_endpoint: str, argv: tuple[str, ...], t0: float) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if max_nodes > 1:  # after the blocklist: an evicted host leaves at once, store or no store
@@ -448,7 +458,7 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
     config = LaunchConfig(rdzv_backend=rendezvous.BACKEND, rdzv_endpoint=rdzv_endpoint, **config_args)
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     try:
-        with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store()):
+        with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store(), _endpoint_host(rdzv_endpoint)):
             elastic_launch(config, entrypoint=sys.executable)(*argv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
@@ -459,6 +469,17 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
         return max(codes) if max(codes) > 0 else 1
     except HostEvicted:
         return 4
+    except RendezvousConnectionError as e:
+        # _rendezvous retried: the store is gone, most often with its host
+        store_host = _endpoint_host(rdzv_endpoint)
+        banned = blocklist.entry(run_dir, store_host)
+        gone = (f"its host {store_host} was evicted ({banned.get('reason')}) and does not come back"
+                if banned is not None
+                else f"its host {store_host} has been out of reach for {JOIN_TIMEOUT_S} s")
+        _say(f"the rendezvous store at {rdzv_endpoint} is gone ({e}): {gone}. A store served by the agent "
+             "of the --rdzv-endpoint host ends the job with it; one outside the job (megascale rdzv-store) "
+             "outlives any host")
+        return 1
     except SignalException as e:
         return 128 + int(e.sigval)
     finally:

@@ -27,10 +27,12 @@ the job's size.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from collections.abc import Callable
 
 BACKEND = "megascale-c10d"
+SERVES_ENV = "MEGASCALE_SERVES_RDZV"  # "1" in the environment of the workers whose agent serves the store
 # how long one call to the rendezvous state may take, connecting included: a compare-and-set on the
 # store takes milliseconds even on a busy host; a call that takes this long waits on a dead link
 STATE_TIMEOUT_S = 3.0
@@ -144,11 +146,32 @@ def create_handler(params):
         _poll_every(poll)
     _, store = create_backend(params)
     host, port = store.host, store.port  # the port the server took (an endpoint may say port 0)
+    os.environ[SERVES_ENV] = "1" if _serves(params, host) else ""  # the workers inherit it
     handler = elastic_handler(store, make_backend(lambda: _client(host, port), params.run_id), params)
     holder = getattr(handler, "_state_holder", None)  # private API, as _poll_every
     if poll != 1.0 and isinstance(getattr(holder, "_cache_duration", None), (int, float)):
         holder._cache_duration = poll  # a read is reused this long (elastic: 1 s, which hid faster polls)
     return handler
+
+
+def _serves(params, host: str) -> bool:
+    """Whether this agent serves the rendezvous store: elastic's own choice in `create_backend` (the
+    `is_host` parameter, else whether the endpoint names this machine). Private API as _poll_every;
+    without it, False (a straggler there is then evicted like any other, and its leaving ends the job)."""
+    chosen = params.get_as_bool("is_host")
+    if chosen is not None:
+        return chosen
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    except ImportError:
+        return False
+    return _matches_machine_hostname(host)
+
+
+def serves_store() -> bool:
+    """In a worker of `megascale launch`: whether its host's agent serves the rendezvous store, so that
+    the host cannot leave without ending the job (README: Eviction)."""
+    return os.environ.get(SERVES_ENV) == "1"
 
 
 def register() -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megascale.config import Config
 from megascale.fault.heartbeat import HeartbeatWriter
 from megascale.fault.inject import host_id
+from megascale.fault.rendezvous import serves_store
 from megascale.observe import timers
 from megascale.observe.clock import measure_offsets
 from megascale.observe.stragglers import COMPUTE_OPS, StragglerDetector
@@ -66,11 +67,15 @@ class Observer:
         timers.install(self.recorder)
         self.hosts = [host_id()]  # under megascale launch its --local-addr (simulated hosts share a name)
         self.coords = [(0, 0, 0)]
+        # the hosts whose agent serves the rendezvous store: they cannot leave without ending the job
+        self.store_hosts = {host_id()} if serves_store() else set()
         if self.multi:
             every: list = [None] * mesh.world_size
-            dist.all_gather_object(every, (host_id(), (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank)))
-            self.hosts = [h for h, _ in every]
-            self.coords = [tuple(c) for _, c in every]
+            dist.all_gather_object(every, (host_id(), (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank),
+                                           serves_store()))
+            self.hosts = [h for h, _, _ in every]
+            self.coords = [tuple(c) for _, c, _ in every]
+            self.store_hosts = {h for h, _, serves in every if serves}
             self.recorder.note(hosts=self.hosts)
             self.sync_clocks()
         self.stragglers = StragglerDetector(self.coords, self.hosts, self.ob.straggler_threshold,
