@@ -157,7 +157,9 @@ def create_handler(params):
 def _serves(params, host: str) -> bool:
     """Whether this agent serves the rendezvous store: elastic's own choice in `create_backend` (the
     `is_host` parameter, else whether the endpoint names this machine). Private API as _poll_every;
-    without it, False (a straggler there is then evicted like any other, and its leaving ends the job)."""
+    without it, False (a straggler there is then evicted like any other, and its leaving ends the job).
+    Several agents on the machine the endpoint names all read True (elastic falls back to a client
+    when the port is taken, and the store tells nobody): none of them is evicted as a straggler."""
     chosen = params.get_as_bool("is_host")
     if chosen is not None:
         return chosen
