@@ -17,6 +17,12 @@ Domino's method (Wang et al. 2024):
 
   H = (T_serial - T_overlap) / (T_serial - T_nocomm)   the fraction of the exposed communication hidden
 
+and H's ceiling on this machine: T_serial - T_nocomm less the messages' CPU in the overlapped compute
+and the waits for a late peer, over T_serial - T_nocomm. Where every core computes (2 here), what the
+kernel and the transport spend on a message comes out of the compute beside it, and a peer's lateness
+is the ranks' skew: no overlap hides either, so an H goal above the ceiling is out of this machine's
+reach whatever the code does; the line says which share of the ceiling the overlap reached.
+
 and, from the always-on timers (observe/breakdown.py), the communication each dimension left
 exposed per step, and the compute time (for tp: what splitting the GEMMs into chunks costs); for dp
 also what its steps waited for, by kind (the parameter gathers, the gradient reduce-scatters, the
@@ -457,10 +463,25 @@ def what_is_left(r: dict, streams: tuple[str, ...]) -> str:
     late = sum(r["overlap"][f"late_{s}"] - r["nocomm"][f"late_{s}"] for s in streams)
     slowed = r["overlap"]["compute"] - r["nocomm"]["compute"]
     own = r["nocomm"]["compute"] / r["serial"]["compute"] if r["serial"]["compute"] else float("nan")
-    return (f"T_overlap - T_nocomm {(r['overlap']['step'] - r['nocomm']['step']) * 1e3:.0f} ms, of it "
+    serial, over, nocomm = (r[v]["step"] for v in VARIANTS)
+    ceiling = hidden_ceiling(serial, nocomm, slowed, late)
+    of_it = hidden_fraction(serial, over, nocomm) / ceiling if ceiling > 0 else float("nan")
+    return (f"T_overlap - T_nocomm {(over - nocomm) * 1e3:.0f} ms, of it "
             f"exposed {exposed * 1e3:.0f} ms ({late * 1e3:.0f} of them waiting for a peer to arrive) and "
             f"the messages' CPU in the compute {slowed * 1e3:.0f} ms; "
-            f"the overlap's own code x{own:.2f} (no-comm compute against serial)")
+            f"the overlap's own code x{own:.2f} (no-comm compute against serial); "
+            f"H's ceiling on these cores {ceiling:.0%} (H is {of_it:.0%} of it)")
+
+
+def hidden_ceiling(serial: float, nocomm: float, cpu: float, late: float) -> float:
+    """The most H an overlap could reach on this machine: the communication's cost (serial - nocomm)
+    less what no overlap hides where the ranks' cores are busy: the messages' CPU in the compute (the
+    kernel's and the transport's work for a message comes out of the core beside it; a NIC's on a real
+    host) and the waits for a late peer (the ranks' skew). Negative parts count as none."""
+    cost = serial - nocomm
+    if cost <= 0:
+        return float("nan")
+    return max(0.0, cost - max(0.0, cpu) - max(0.0, late)) / cost
 
 
 def common_parser(description: str) -> argparse.ArgumentParser:

@@ -25,7 +25,9 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     waits = r"dp waits \(gathers, reduce-scatters, norms\) [\d./]+ -> \d+\.\d/\d+\.\d/\d+\.\d ms"
     assert len(re.findall(waits, out)) == 2, out  # dp's and all's
     left = (r"T_overlap - T_nocomm -?\d+ ms, of it exposed -?\d+ ms \(-?\d+ of them waiting for a peer to "
-            r"arrive\) and the messages' CPU in the compute -?\d+ ms; the overlap's own code x[\d.]+")
+            r"arrive\) and the messages' CPU in the compute -?\d+ ms; the overlap's own code x[\d.]+ "
+            r"\(no-comm compute against serial\); H's ceiling on these cores (\d+|nan)% \(H is -?(\d+|nan)% "
+            r"of it\)")
     assert len(re.findall(left, out)) == 4, out  # every dimension's
 
 
@@ -51,6 +53,15 @@ def test_hidden_fraction_and_its_interval_over_rounds():
     low, high = ov.hidden_interval(noisy)
     assert low == pytest.approx(0.5) and high == pytest.approx(0.875)
     assert all(x != x for x in ov.hidden_interval({k: v[:1] for k, v in steady.items()}))  # one round
+
+
+def test_the_ceiling_leaves_out_the_messages_cpu_and_the_late_peers():
+    ov = _overlap_module()
+    # communication cost 0.4 s a step; 0.1 of it the messages' CPU, 0.05 a late peer: 0.25 hideable
+    assert ov.hidden_ceiling(1.0, 0.6, 0.1, 0.05) == pytest.approx(0.625)
+    assert ov.hidden_ceiling(1.0, 0.6, -0.02, -0.01) == pytest.approx(1.0)  # noise below zero: none
+    assert ov.hidden_ceiling(1.0, 0.6, 0.5, 0.0) == 0.0  # more than the cost: nothing hideable
+    assert ov.hidden_ceiling(1.0, 1.0, 0.1, 0.0) != ov.hidden_ceiling(1.0, 1.0, 0.1, 0.0)  # no cost: nan
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
