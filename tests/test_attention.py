@@ -67,18 +67,33 @@ def test_full_causal_equals_reference(s):
 
 
 def test_banded_cost_is_linear_in_sequence_length():
-    """O(s * w), not a masked s x s: doubling s doubles the counted FLOPs, forward and backward."""
+    """O(s * w), not a masked s x s: each block of B queries more adds the same counted FLOPs,
+    forward and backward. Counted on SDPA's math path (the flop counter has no formula for the
+    CPU flash kernel), which does the same blocks' matmuls."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def flops(s):
         q, k, v = qkv(s, b=1, h=1, hd=8, dtype=torch.float32)
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False) as counter, sdpa_kernel([SDPBackend.MATH]):
             banded_attention(q, k, v, 16).sum().backward()
         return counter.get_total_flops()
 
     assert flops(512) > 0
-    assert flops(1024) == 2 * flops(512)
-    # Per query: 2B = 32 keys, scores and values, forward + 2x backward, each 2 FLOPs/MAC.
-    assert flops(512) == 3 * 2 * 2 * 512 * 32 * 8
+    assert flops(1536) - flops(1024) == flops(1024) - flops(512)
+    # The first block of B = 16 queries sees its own 16 keys, each of the other 31 its 2B = 32:
+    # scores and values, forward + 2x backward, each 2 FLOPs/MAC, head_dim 8.
+    assert flops(512) == 3 * 2 * 2 * (16 * 16 + 31 * 16 * 32) * 8
+
+
+def test_banded_runs_on_sdpas_fused_kernel():
+    """4-D calls with 2-D masks: on CPU SDPA's flash kernel takes them (a 5-D call or a mask per
+    block went to the math path: scores materialised, 1.2-1.5x slower than full causal attention)."""
+    q, k, v = qkv(64, dtype=torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        banded_attention(q, k, v, 16).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert any("flash_attention" in n for n in names), sorted(names)
+    assert "aten::bmm" not in names and "aten::_softmax" not in names, sorted(names)
 
 
 def test_banded_under_bf16_autocast_and_dropout():

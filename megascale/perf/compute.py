@@ -74,8 +74,9 @@ def layer_gemms(
 
     The attention core is costed as the kernel runs it: a flash/flex kernel skips masked blocks
     (FLOPs scaled by the fraction of keys attended), while the "banded" sliding-window kernel
-    multiplies each block of `window` queries with 2 x window keys, masked, so it executes more
-    FLOPs than the model needs (MFU still counts only the model's).
+    multiplies each block of `window` queries with 2 x window keys, masked (the first block only
+    its own, not told apart here), so it executes more FLOPs than the model needs (MFU still counts
+    only the model's).
     """
     h, f, s = cfg.d_model, cfg.ffn_dim, cfg.seq_len
     window = cfg.window if cfg.attention == "sliding" else None
@@ -112,9 +113,11 @@ def elementwise_bytes(
     Per token, in elements: a norm reads and writes h; a residual add reads 2h, writes h; GeLU
     reads and writes the ffn width f; SwiGLU's silu(gate) * up reads/writes 5f (silu r+w 2f, mul
     r 2f w f). Rotary (Llama) rotates q and k in eager ops (4 muls, an add, a sub and a cat over
-    half-widths): ~9 elements per element of q and of k. The banded sliding-window kernel
-    materialises its masked scores (heads x 2 window per query): written, masked, softmaxed and
-    read, ~4 passes. h-wide ops are split by TP only with sequence parallelism.
+    half-widths): ~9 elements per element of q and of k. The banded sliding-window kernel runs on
+    SDPA's fused kernel (scores stay on chip) but lays out its blocks with copies: q, k and v padded
+    (read and write each), k and v with each block's predecessor (read 2, write 2 each: twice as
+    wide), the output's blocks joined (read and write): ~16 elements per element of q, 8 kernels.
+    h-wide ops are split by TP only with sequence parallelism.
     """
     h, f = cfg.d_model, cfg.ffn_dim
     hs = h / tp if sp else h
@@ -129,8 +132,8 @@ def elementwise_bytes(
         elems += 2 * f / tp
         kernels += 1
     if cfg.attention == "sliding" and sliding_kernel == "banded":
-        elems += 4 * cfg.n_heads / tp * 2 * cfg.window
-        kernels += 4
+        elems += 16 * h / tp
+        kernels += 8
     return elems * tokens * bpe, kernels
 
 

@@ -68,7 +68,7 @@ class DeviceModel:
         """Seconds for `batch` GEMMs of (m x k) @ (k x n); `flop_scale` < 1 for causal masking,
         `eff_scale` for kernels that are GEMM-like but slower (fused attention). A `fused` GEMM
         (inside an attention kernel) does not write its m x n result to memory: a flash kernel keeps
-        it on chip, and where scores are materialised (banded CPU kernel) compute.py counts them."""
+        it on chip (the CPU's banded sliding-window kernel runs on one too)."""
         flops = 2.0 * m * n * k * batch * flop_scale
         eff = shape_efficiency(self.curve, m, n, k) * eff_scale
         moved = (m * k + k * n + (0 if fused else m * n)) * batch * self.bytes_per_element
