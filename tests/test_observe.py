@@ -228,6 +228,23 @@ def test_a_persistently_slow_rank_is_named_and_no_other():
     assert all(0.85 < v < 1.15 for i, v in enumerate(rel) if i != 5)
 
 
+def test_a_tiny_op_slowed_by_noise_is_no_straggler_but_a_slow_main_op_is():
+    """Rank 1's 1 ms optimizer, preempted into 2.5x, is 1.5 ms over its peers: under 0.1 x the stage's
+    longest op (2 ms of a 20 ms backward), so no straggler. Rank 2's backward 20% slower (4 ms over)
+    is one."""
+    det = StragglerDetector(_mesh_coords(4, 1, 1), ["h"] * 4, threshold=0.1, windows=2)
+    found = []
+    for _ in range(3):
+        seconds = np.array([[0.010, 0.020, 0.001]] * 4)  # forward, backward, optimizer
+        seconds[1, 2] = 0.0025
+        seconds[2, 1] = 0.024
+        ranks, new = det.update(2, 1, seconds)
+        found += new
+    assert [(f["rank"], f["op"]) for f in found] == [(2, "backward")]
+    # the heat map still shows the optimizer's 3x: only the verdict leaves it out
+    assert next(r for r in ranks if r["op"] == "optimizer")["relative"][1] == pytest.approx(2.5)
+
+
 def test_the_straggler_evicted_is_the_one_that_costs_the_step_most():
     """Host 1's ranks (2, 3) sleep 0.1 s a forward; a healthy host-0 rank's 1 ms optimizer catches a
     preemption (40 ms) in both windows: by ratio (40x against ~24x) that rank would go, by the

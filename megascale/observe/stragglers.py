@@ -8,8 +8,12 @@ compares each rank with the median of the *other* ranks that do the same work (t
 pipeline stage: every dp and tp rank of a stage runs the same layers on the same shapes);
 leaving the rank itself out keeps a small group (2 peers) from halving the signal. A rank slower
 by more than `threshold` in `windows` consecutive windows is a straggler: one `straggler`
-record per (rank, op) streak. Every window also yields one `ranks` record per op (every rank's
-seconds and relative time), from which the report draws its heat map.
+record per (rank, op) streak. Slower counts only where the excess is worth a step's while: at
+least `threshold` times the stage's longest op (its median over the stage), so that a 1 ms
+optimizer preempted into 3-7x on a shared machine is not a straggler beside a 5 ms backward, while
+a host slower at everything by the threshold still shows in its longest op. Every window also
+yields one `ranks` record per op (every rank's seconds and relative time), from which the report
+draws its heat map.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ class StragglerDetector:
         seconds = np.asarray(seconds, dtype=np.float64)
         stage = np.array([c[1] for c in self.coords])
         ranks_recs, found = [], []
+        # per rank: the excess that counts, `threshold` x its stage's longest op (medians over the stage)
+        floor = np.zeros(len(stage))
+        for s in np.unique(stage):
+            members = stage == s
+            floor[members] = self.threshold * np.median(seconds[members], axis=0).max()
         for j, op in enumerate(COMPUTE_OPS):
             col = seconds[:, j]
             rel = np.ones_like(col)
@@ -56,7 +65,7 @@ class StragglerDetector:
                                "relative": [round(float(v), 4) for v in rel]})
             for r in range(len(col)):
                 key = (r, op)
-                if rel[r] > 1 + self.threshold:
+                if rel[r] > 1 + self.threshold and col[r] - ref[r] >= floor[r]:
                     self._streak[key] = self._streak.get(key, 0) + 1
                     if self._streak[key] == self.windows:
                         dp, pp, tp = self.coords[r]
