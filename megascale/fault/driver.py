@@ -330,8 +330,8 @@ def _wait_for_store(endpoint: str, timeout: float) -> None:
     """Until the rendezvous store at `endpoint` (host:port) accepts connections, or `timeout` s: hosts start
     in any order, and the store's host may come up after this one. Nothing to wait for when the
     endpoint is an address of this host, whose agent will serve the store itself."""
-    host, _, port = endpoint.rpartition(":")
-    host = host.strip("[]")
+    host = _endpoint_host(endpoint)
+    port = endpoint.rpartition(":")[2] if ":" in endpoint else ""  # none: elastic's default, 29400
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
             probe.bind((host, 0))  # binds only to an address of this host
