@@ -4,7 +4,14 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megascale.ops.attention import banded_attention, causal_attention, sliding_window_attention
+import megascale.ops.attention as attention_ops
+from megascale.ops.attention import (
+    banded_attention,
+    causal_attention,
+    dense_band_attention,
+    sliding_window_attention,
+)
+from megascale.perf.sliding_path import sliding_window_path
 
 
 def reference_attention(q, k, v, window=None):
@@ -56,9 +63,52 @@ def test_banded_rejects_too_small_block():
         banded_attention(q, k, v, 5, block_size=3)
 
 
-@pytest.mark.parametrize("s,w", SHAPES + [(8, 20)])
+@pytest.mark.parametrize("s,w", SHAPES)
+def test_dense_band_equals_reference(s, w):
+    check_against_reference(lambda q, k, v: dense_band_attention(q, k, v, w), s, w)
+
+
+# (8, 20): the window past the sequence; (130, 16), (150, 40): long enough for the blocks
+@pytest.mark.parametrize("s,w", SHAPES + [(8, 20), (130, 16), (150, 40), (130, 100)])
 def test_sliding_window_dispatch_equals_reference(s, w):
     check_against_reference(lambda q, k, v: sliding_window_attention(q, k, v, w), s, w)
+
+
+@pytest.mark.parametrize(
+    "s,w,path",
+    [
+        (64, 64, "causal"), (64, 200, "causal"),  # the window covers the sequence
+        (64, 8, "dense"), (64, 32, "dense"),  # short: the blocks' extra kernels cost more
+        (128, 32, "banded"), (128, 64, "banded"), (4096, 128, "banded"),
+        (128, 96, "dense"),  # two blocks, the second padded: 3 x 96^2 scores > 128^2
+        (128, 63, "dense"),  # three blocks of 63 (the last 2 tokens): 5 x 63^2 > 128^2
+        (2048, 1500, "dense"),
+    ],
+)  # fmt: skip
+def test_the_sliding_window_path_by_size(s, w, path):
+    assert sliding_window_path(s, w) == path
+
+
+@pytest.mark.parametrize("s,w", [(64, 16), (130, 16), (130, 100), (40, 40)])
+def test_the_dispatch_runs_the_kernel_its_rule_names(monkeypatch, s, w):
+    ran = []
+    for name in ("banded_attention", "dense_band_attention", "causal_attention"):
+        kernel = getattr(attention_ops, name)
+        monkeypatch.setattr(attention_ops, name,
+                            lambda *a, _k=kernel, _n=name, **kw: ran.append(_n) or _k(*a, **kw))
+    q, k, v = qkv(s, dtype=torch.float32)
+    sliding_window_attention(q, k, v, w)
+    assert ran == [{"banded": "banded_attention", "dense": "dense_band_attention",
+                    "causal": "causal_attention"}[sliding_window_path(s, w)]]
+
+
+def test_dense_band_runs_on_sdpas_fused_kernel():
+    q, k, v = qkv(64, dtype=torch.float32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dense_band_attention(q, k, v, 16).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert any("flash_attention" in n for n in names), sorted(names)
+    assert "aten::bmm" not in names and "aten::_softmax" not in names, sorted(names)
 
 
 @pytest.mark.parametrize("s", [1, 7, 16])

@@ -64,6 +64,21 @@ def test_layer_gemm_flops_match_flops_module(kw, tp):
     assert per_rank == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.parametrize("seq,window,path", [(64, 16, "dense"), (256, 32, "banded"), (256, 200, "dense")])
+def test_the_planner_costs_the_sliding_kernel_the_model_runs_on_cpu(seq, window, path):
+    """The banded kernels' attention core: blocks of `window` queries over 2 x window keys where the
+    model runs the blocks (perf/sliding_path.py), every score of the square where it runs the band as
+    a mask; only the blocks pay for their layout copies."""
+    cfg = small(seq_len=seq, attention="sliding", window=window)
+    core = compute.layer_gemms(cfg, 2 * seq, 2, 1, False, sliding_kernel="banded")[1]
+    scores = sum(g.m * g.n * g.batch * g.flop_scale for g in core[:1])
+    blocks = -(-seq // window)
+    assert scores == 2 * cfg.n_heads * (seq * seq if path == "dense" else blocks * window * 2 * window)
+    copies = compute.elementwise_bytes(cfg, seq, 1, False, False, 4, "banded")[0]
+    flex = compute.elementwise_bytes(cfg, seq, 1, False, False, 4, "flex")[0]
+    assert (copies > flex) == (path == "banded")
+
+
 def test_gemm_curve_saturates():
     c = GemmCurve(max_efficiency=0.8, half_dim=64.0)
     assert shape_efficiency(c, 64, 1e9, 1e9) == pytest.approx(0.4, rel=1e-6)

@@ -7,7 +7,12 @@ Triton (triton_kernels.py, CUDA only) or, on CPU, the compiled or eager twin.
 """
 
 from megascale.ops.activations import bias_gelu, linear_bias_gelu, swiglu
-from megascale.ops.attention import banded_attention, causal_attention, sliding_window_attention
+from megascale.ops.attention import (
+    banded_attention,
+    causal_attention,
+    dense_band_attention,
+    sliding_window_attention,
+)
 from megascale.ops.cross_entropy import chunked_cross_entropy, vocab_parallel_chunked_cross_entropy
 from megascale.ops.norms import add_layer_norm, add_norm, add_rms_norm
 from megascale.ops.rotary import apply_rotary
@@ -21,6 +26,7 @@ __all__ = [
     "bias_gelu",
     "causal_attention",
     "chunked_cross_entropy",
+    "dense_band_attention",
     "linear_bias_gelu",
     "sliding_window_attention",
     "swiglu",

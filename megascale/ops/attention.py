@@ -4,11 +4,13 @@ All functions take q, k, v as (..., seq, head_dim) (the model passes (batch, hea
 head_dim) views) and return the same shape. Sliding window of size w means query i sees
 keys j with 0 <= i - j < w: itself and the previous w - 1 tokens (MegaScale section 3.1).
 
-Two sliding-window paths, chosen by `sliding_window_attention`:
+Three sliding-window paths, chosen by `sliding_window_attention`:
 
 * `banded_attention`: blocked SDPA, differentiable by autograd, any device and dtype. It is
   the CPU path and the fallback where flex_attention cannot run (no CPU backward in torch
   2.13, no dropout, no float64).
+* `dense_band_attention`: all s x s scores under the band as one mask, for the sizes where that
+  is cheaper than the blocks (short sequences, windows past ~s / sqrt(3)): perf/sliding_path.py.
 * flex_attention with a sliding-window block mask on CUDA: compiled Triton kernel that
   skips the masked-out blocks. Imported lazily so that nothing here needs CUDA at import.
 
@@ -21,6 +23,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from megascale.perf.sliding_path import sliding_window_path
 
 
 def causal_attention(
@@ -36,12 +40,26 @@ def sliding_window_attention(
     """Causal attention restricted to the last `window` keys, dispatched to the best path."""
     if window <= 0:
         raise ValueError(f"window must be > 0, got {window}")
-    seq_len = q.shape[-2]
-    if window >= seq_len:  # the window covers everything: plain causal attention is exact
+    # The choice depends on the sequence and the window only, never on batch, heads or layout:
+    # every parallel layout runs the same kernel as one process.
+    path = sliding_window_path(q.shape[-2], window)
+    if path == "causal":  # the window covers everything: plain causal attention is exact
         return causal_attention(q, k, v, dropout_p)
     if q.is_cuda and dropout_p == 0.0 and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
         return _flex_sliding(q, k, v, window)
+    if path == "dense":
+        return dense_band_attention(q, k, v, window, dropout_p)
     return banded_attention(q, k, v, window, dropout_p=dropout_p)
+
+
+def dense_band_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """Sliding-window attention over all s x s scores, the band as one 2-D mask: O(s^2), on
+    SDPA's fused kernel (the mask is the same for every batch and head)."""
+    seq_len = q.shape[-2]
+    band = _band_mask(seq_len, seq_len, 0, window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p)
 
 
 # ---------------------------------------------------------------------------------------
@@ -81,7 +99,8 @@ def banded_attention(
         return F.pad(x, (0, 0, 0, pad)).reshape(-1, n_blocks, block, x.shape[-1])
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)
-    own, after = _band_masks(block, window, q.device)
+    own = _band_mask(block, block, 0, window, q.device)
+    after = _band_mask(block, 2 * block, block, window, q.device)
     # the first block: its own keys only (padded queries, past the end, see padded keys; dropped)
     first = F.scaled_dot_product_attention(qb[:, :1], kb[:, :1], vb[:, :1], attn_mask=own,
                                            dropout_p=dropout_p)
@@ -95,20 +114,18 @@ def banded_attention(
     return out.reshape(*lead, n_blocks * block, head_dim)[..., :seq_len, :]
 
 
-@functools.lru_cache(maxsize=16)
-def _band_masks(block: int, window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Boolean masks, True where a query may see a key: (B, B) for the first block's own keys and
-    (B, 2B) for a later block's (the block before it, then its own).
+@functools.lru_cache(maxsize=32)
+def _band_mask(rows: int, cols: int, offset: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean (rows, cols) mask, True where query r may see key t, for a query r and key t that are
+    tokens `offset + r - t` apart: 0 <= offset + r - t < window.
 
-    Query r of block c is token i = cB + r. Within its own block key t is token cB + t: the band is
-    0 <= r - t < window. Over the 2B keys of a later block key t is token (c - 1)B + t, so
-    i - j = B + r - t for every c, and the band is 0 <= B + r - t < window. Every row keeps its
-    diagonal (t = r, t = B + r), so no softmax row is empty.
+    dense_band_attention: offset 0 over (s, s). banded_attention: query r of block c is token
+    i = cB + r; within its own block key t is token cB + t (offset 0, (B, B)); over the 2B keys of a
+    later block key t is token (c - 1)B + t, so i - j = B + r - t for every c (offset B, (B, 2B)).
+    Every row keeps its diagonal (t = r, t = offset + r), so no softmax row is empty.
     """
-    r = torch.arange(block, device=device).unsqueeze(1)
-    own = r - torch.arange(block, device=device).unsqueeze(0)
-    after = block + r - torch.arange(2 * block, device=device).unsqueeze(0)
-    return (own >= 0) & (own < window), (after >= 0) & (after < window)
+    dist = offset + torch.arange(rows, device=device).unsqueeze(1) - torch.arange(cols, device=device)
+    return (dist >= 0) & (dist < window)
 
 
 # ---------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from megascale.perf import collectives
 from megascale.perf.flops import attended_keys
 from megascale.perf.gemm import DeviceModel
 from megascale.perf.presets import Link
+from megascale.perf.sliding_path import sliding_window_path
 
 # Backward costs two GEMMs (input-gradient, weight-gradient) per forward GEMM, and about twice
 # the forward's memory traffic in elementwise kernels (read the saved input and the incoming
@@ -84,7 +85,10 @@ def layer_gemms(
     heads = batch * cfg.n_heads / tp
     qkv = Gemm(tokens, 3 * h / tp, h)
     core = [Gemm(s, s, cfg.head_dim, heads, frac), Gemm(s, cfg.head_dim, s, heads, frac)]
-    if window is not None and sliding_kernel == "banded":
+    path = _sliding_path(cfg, sliding_kernel)
+    if path == "dense":  # every score of the square, the band a mask
+        core = [Gemm(s, s, cfg.head_dim, heads), Gemm(s, cfg.head_dim, s, heads)]
+    elif path == "banded":
         blocks = heads * -(-s // window)
         core = [
             Gemm(window, 2 * window, cfg.head_dim, blocks),
@@ -131,10 +135,20 @@ def elementwise_bytes(
     else:
         elems += 2 * f / tp
         kernels += 1
-    if cfg.attention == "sliding" and sliding_kernel == "banded":
+    if _sliding_path(cfg, sliding_kernel) == "banded":
         elems += 16 * h / tp
         kernels += 8
     return elems * tokens * bpe, kernels
+
+
+def _sliding_path(cfg: ModelConfig, sliding_kernel: str) -> str | None:
+    """The kernel a sliding-window layer runs: the model's own choice by size (perf/sliding_path.py)
+    where it runs banded kernels (CPU), else "flex"; None for full attention."""
+    if cfg.attention != "sliding":
+        return None
+    if sliding_kernel == "banded":
+        return sliding_window_path(cfg.seq_len, cfg.window)
+    return sliding_kernel
 
 
 def tp_calls_per_layer(tp: int, parallel_block: bool) -> int:
