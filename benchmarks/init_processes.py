@@ -5,8 +5,8 @@
 
 Each case spawns N worker processes on this machine that start a job exactly as `megascale
 train` does (`distributed.init`: the store, init_process_group, the mesh's groups, one
-all-reduce per group) and report wall-clock timestamps. Meshes: 8 = dp2 pp2 tp2,
-16 = dp2 pp2 tp4, 32 = dp4 pp2 tp4.
+all-reduce per group) and report wall-clock timestamps. Meshes: 2 = tp2 (the smoke test),
+8 = dp2 pp2 tp2, 16 = dp2 pp2 tp4, 32 = dp4 pp2 tp4.
 
 On this machine importing torch dominates (N processes import it at once on 2 cores), and
 ranks that finish importing early wait in init_process_group for the late ones. So the
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-MESHES = {8: (2, 2, 2), 16: (2, 2, 4), 32: (4, 2, 4)}
+MESHES = {2: (1, 1, 2), 8: (2, 2, 2), 16: (2, 2, 4), 32: (4, 2, 4)}  # 2: the smoke test's
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -12,7 +12,8 @@ for both, and the schedule decays to lr/10. Validation uses the same fixed held-
     .venv/bin/python benchmarks/lamb_vs_adamw.py --step-time      # optimizer step time only
 
 `--step-time` times one optimizer step (AdamW foreach vs our LAMB) on ~20M parameters
-shaped like a 6-layer d=512 GPT, interleaving the two and keeping each one's best median.
+shaped like a 6-layer d=512 GPT (`--layers`, `--d-model`), interleaving the two and keeping each
+one's best median.
 
 Threads default to 1: on a machine shared with other jobs, more intra-op threads than free
 cores make PyTorch's CPU kernels spin and run many times slower.
@@ -37,8 +38,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=400, help="AdamW steps N")
     ap.add_argument("--micro-batch", type=int, default=8, help="micro-batch (also the eval batch) for both")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, help="default 2 (--step-time: 6)")
+    ap.add_argument("--d-model", type=int, help="default 128 (--step-time: 512)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--adamw-lrs", default="1e-3,2e-3,4e-3", help="comma-separated peak lrs for AdamW")
     ap.add_argument("--lamb-lrs", default="1e-2,2e-2,4e-2", help="comma-separated peak lrs for LAMB")
@@ -132,10 +133,9 @@ def compare(args: argparse.Namespace) -> None:
     print("(the best lr is picked on the same validation set it is reported on, for both optimizers)")
 
 
-def step_time(repeats: int = 4, steps: int = 15) -> None:
+def step_time(d: int, layers: int, repeats: int = 4, steps: int = 15) -> None:
     from megascale.optim import Lamb
 
-    d, layers = 512, 6
     shapes = [(1024, d)]
     for _ in range(layers):
         shapes += [(3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (4 * d,), (d, 4 * d)] + [(d,)] * 5
@@ -176,8 +176,9 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     if args.step_time:
-        step_time()
+        step_time(args.d_model or 512, args.layers or 6)
     else:
+        args.d_model, args.layers = args.d_model or 128, args.layers or 2
         compare(args)
 
 
