@@ -102,15 +102,6 @@ def test_the_dispatch_runs_the_kernel_its_rule_names(monkeypatch, s, w):
                     "causal": "causal_attention"}[sliding_window_path(s, w)]]
 
 
-def test_dense_band_runs_on_sdpas_fused_kernel():
-    q, k, v = qkv(64, dtype=torch.float32)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        dense_band_attention(q, k, v, 16).sum().backward()
-    names = {e.key for e in prof.key_averages()}
-    assert any("flash_attention" in n for n in names), sorted(names)
-    assert "aten::bmm" not in names and "aten::_softmax" not in names, sorted(names)
-
-
 @pytest.mark.parametrize("s", [1, 7, 16])
 def test_full_causal_equals_reference(s):
     check_against_reference(causal_attention, s, None)
@@ -135,12 +126,13 @@ def test_banded_cost_is_linear_in_sequence_length():
     assert flops(512) == 3 * 2 * 2 * (16 * 16 + 31 * 16 * 32) * 8
 
 
-def test_banded_runs_on_sdpas_fused_kernel():
+@pytest.mark.parametrize("kernel", [banded_attention, dense_band_attention])
+def test_the_sliding_kernels_run_on_sdpas_fused_kernel(kernel):
     """4-D calls with 2-D masks: on CPU SDPA's flash kernel takes them (a 5-D call or a mask per
     block went to the math path: scores materialised, 1.2-1.5x slower than full causal attention)."""
     q, k, v = qkv(64, dtype=torch.float32)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        banded_attention(q, k, v, 16).sum().backward()
+        kernel(q, k, v, 16).sum().backward()
     names = {e.key for e in prof.key_averages()}
     assert any("flash_attention" in n for n in names), sorted(names)
     assert "aten::bmm" not in names and "aten::_softmax" not in names, sorted(names)
