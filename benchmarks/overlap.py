@@ -503,7 +503,7 @@ def common_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--micro", type=int, default=2, help="micro-batch of the pp, tp, all and ablation runs")
     p.add_argument("--bucket", type=int, default=500_000, help="parallel.dp_bucket_size")
-    p.add_argument("--tail-buckets", type=int, default=4, help="parallel.dp_tail_buckets (1: off)")
+    p.add_argument("--tail-buckets", type=int, default=8, help="parallel.dp_tail_buckets (1: off)")
     p.add_argument("--gloo-collectives", action="store_true",
                    help="parallel.direct_collectives=false: gloo's own (its reduce-scatter an all-reduce)")
     p.add_argument("--transport", choices=("gloo", "sockets"), default="sockets",

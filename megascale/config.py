@@ -80,8 +80,9 @@ class ParallelConfig:
     dp_overlap_grad_reduce: bool = True  # reduce-scatter each bucket as its gradients complete in backward
     dp_overlap_param_gather: bool = True  # all-gather each bucket after the step, wait before its first use
     # the last dp_bucket_size elements in this many buckets (1: off): the reduce-scatter left after
-    # backward and the first all-gather the forward waits for are a fraction of a bucket
-    dp_tail_buckets: int = 4
+    # backward and the first all-gather the forward waits for are a fraction of a bucket (8: the
+    # forward's first gathers waited 1.7-2.5 ms a step against 5.4-6.8 at 4, benchmarks/overlap.py)
+    dp_tail_buckets: int = 8
     # on gloo, the dp and tp reduce-scatters and all-gathers as direct sends (distributed/direct.py):
     # half the bytes of gloo's reduce-scatter (an all-reduce); its all-gather 1.4x slower on a slow link
     direct_collectives: bool = True
