@@ -57,9 +57,15 @@ def dense_band_attention(
 ) -> torch.Tensor:
     """Sliding-window attention over all s x s scores, the band as one 2-D mask: O(s^2), on
     SDPA's fused kernel (the mask is the same for every batch and head)."""
-    seq_len = q.shape[-2]
-    band = _band_mask(seq_len, seq_len, 0, window, q.device)
+    band = _dense_band_mask(q.shape[-2], window, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p)
+
+
+@functools.lru_cache(maxsize=4)
+def _dense_band_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    # A few only: training asks for one length, but generation past the window asks for each
+    # length in turn, and these are s x s (32 of them at s ~7000 would hold 1.6 GB).
+    return _band_mask(seq_len, seq_len, 0, window, device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -99,8 +105,8 @@ def banded_attention(
         return F.pad(x, (0, 0, 0, pad)).reshape(-1, n_blocks, block, x.shape[-1])
 
     qb, kb, vb = blocks(q), blocks(k), blocks(v)
-    own = _band_mask(block, block, 0, window, q.device)
-    after = _band_mask(block, 2 * block, block, window, q.device)
+    own = _block_mask(block, block, 0, window, q.device)
+    after = _block_mask(block, 2 * block, block, window, q.device)
     # the first block: its own keys only (padded queries, past the end, see padded keys; dropped)
     first = F.scaled_dot_product_attention(qb[:, :1], kb[:, :1], vb[:, :1], attn_mask=own,
                                            dropout_p=dropout_p)
@@ -114,7 +120,6 @@ def banded_attention(
     return out.reshape(*lead, n_blocks * block, head_dim)[..., :seq_len, :]
 
 
-@functools.lru_cache(maxsize=32)
 def _band_mask(rows: int, cols: int, offset: int, window: int, device: torch.device) -> torch.Tensor:
     """Boolean (rows, cols) mask, True where query r may see key t, for a query r and key t that are
     tokens `offset + r - t` apart: 0 <= offset + r - t < window.
@@ -126,6 +131,9 @@ def _band_mask(rows: int, cols: int, offset: int, window: int, device: torch.dev
     """
     dist = offset + torch.arange(rows, device=device).unsqueeze(1) - torch.arange(cols, device=device)
     return (dist >= 0) & (dist < window)
+
+
+_block_mask = functools.lru_cache(maxsize=32)(_band_mask)  # banded_attention's: at most B x 2B each
 
 
 # ---------------------------------------------------------------------------------------
