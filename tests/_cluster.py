@@ -17,12 +17,10 @@ clusters of an earlier run that died unclosed are removed first (never a running
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from _bench import run_benchmark
 
 from megascale.fault import netns
 
@@ -43,11 +41,9 @@ def run_benchmark_on_sim_cluster(script: str, *args: str, timeout: float = 600) 
     none can be built; it must succeed and leave no namespace behind. Its stdout."""
     require_netns(shaping=True)
     before = set(netns.namespaces())
-    r = subprocess.run([sys.executable, script, *args], cwd=Path(__file__).resolve().parents[1],
-                       capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    out = run_benchmark(script, *args, timeout=timeout)
     assert set(netns.namespaces()) <= before  # torn down
-    return r.stdout
+    return out
 
 
 def make_cluster(request: pytest.FixtureRequest, hosts: int = 2, mbit: float | None = None,

@@ -1,18 +1,12 @@
 """Smoke test of benchmarks/lamb_vs_adamw.py: both optimizers trained on the same tokens, and step times."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _bench import run_benchmark
 
 
 def run(*args: str) -> str:
-    r = subprocess.run([sys.executable, "benchmarks/lamb_vs_adamw.py", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
-    return r.stdout
+    return run_benchmark("benchmarks/lamb_vs_adamw.py", *args)
 
 
 def test_lamb_at_4x_batch_and_adamw_train_on_the_same_tokens():

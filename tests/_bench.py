@@ -1,0 +1,17 @@
+"""Running a benchmark script for its smoke test (tests/test_bench_*.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 300) -> str:
+    """`script` (a path from the repository root) run with this Python; it must succeed. Its stdout."""
+    r = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    return r.stdout
