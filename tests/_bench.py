@@ -9,9 +9,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_benchmark(script: str, *args: str, timeout: float = 300) -> str:
-    """`script` (a path from the repository root) run with this Python; it must succeed. Its stdout."""
+def run_benchmark(script: str, *args: str, timeout: float = 300,
+                  env: dict[str, str] | None = None) -> str:
+    """`script` (a path from the repository root) run with this Python (in `env`, or this process's
+    environment); it must succeed. Its stdout."""
     r = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, env=env)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     return r.stdout

@@ -36,10 +36,11 @@ def require_netns(shaping: bool = False) -> None:
         pytest.skip(f"no simulated cluster here: {why}")
 
 
-def run_benchmark_on_sim_cluster(script: str, *args: str, timeout: float = 600) -> str:
-    """A benchmark that builds its own SimCluster (tbf links), run from the repository: skipped where
-    none can be built; it must succeed and leave no namespace behind. Its stdout."""
-    require_netns(shaping=True)
+def run_benchmark_on_sim_cluster(script: str, *args: str, timeout: float = 600,
+                                 shaping: bool = True) -> str:
+    """A benchmark that builds its own SimCluster (with tbf links unless `shaping` is off), run from the
+    repository: skipped where none can be built; it must succeed and leave no namespace behind. Its stdout."""
+    require_netns(shaping=shaping)
     before = set(netns.namespaces())
     out = run_benchmark(script, *args, timeout=timeout)
     assert set(netns.namespaces()) <= before  # torn down

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _bench import run_benchmark
+
 NUM = r"[-+]?\d+(?:\.\d+)?"
 
 ROWS = ["parameters (M)", "state: weights + AdamW (MB)", "first checkpoint blocked (s)",
@@ -25,10 +24,7 @@ ROWS = ["parameters (M)", "state: weights + AdamW (MB)", "first checkpoint block
 
 
 def test_quick_prints_every_row_with_numbers(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpoint.py"), "--quick"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=_env(tmp_path))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    out = run_benchmark("benchmarks/checkpoint.py", "--quick", env=_env(tmp_path))
     assert re.search(r"^memory slots: .+ \(.+\); storage: .+ \(.+\)$", out, re.M), out
     for label in ROWS:
         assert re.search(rf"^\s*{re.escape(label)}\s+{NUM}x?\s*$", out, re.M), f"no row {label!r}:\n{out}"

@@ -1,24 +1,19 @@
 """Smoke test of benchmarks/shared_loader.py: one loader per host vs one per rank, tp2, seconds."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _bench import run_benchmark
 
 
 def test_shared_loader_benchmark_runs(tmp_path):
-    r = subprocess.run([sys.executable, "benchmarks/shared_loader.py", "--rounds", "1", "--steps", "2",
-                        "--warmup", "1", "--tp", "2", "model.seq_len=16", "train.global_batch=64",
-                        "train.micro_batch=32", f"data.path={tmp_path}/ds"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert re.search(r"round 1 on  \(ring,ring\): loader CPU [\d.]+ ms/step per host", r.stdout), r.stdout
+    out = run_benchmark("benchmarks/shared_loader.py", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                        "--tp", "2", "model.seq_len=16", "train.global_batch=64", "train.micro_batch=32",
+                        f"data.path={tmp_path}/ds", timeout=600)
+    assert re.search(r"round 1 on  \(ring,ring\): loader CPU [\d.]+ ms/step per host", out), out
     off = r"round 1 off \(own,own\): .* read \d+ kB/step per host \(ranks \d+/\d+\)"
-    assert re.search(off, r.stdout), r.stdout
+    assert re.search(off, out), out
     for label in ("loader CPU per host", "bytes read per host", r"wait for data \(slowest rank\)"):
         line = rf"{label}: on [\d.]+ \S+, off [\d.]+ \S+, on/off (\d+\.\d{{3}}|n/a)"
-        assert re.search(line, r.stdout), r.stdout
+        assert re.search(line, out), out
     # one reader: the leader reads the rows the two ranks used to read each
-    assert re.search(r"bytes read per rank on : ([\d.]+), 0\.000 kB/step", r.stdout), r.stdout
+    assert re.search(r"bytes read per rank on : ([\d.]+), 0\.000 kB/step", out), out
