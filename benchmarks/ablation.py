@@ -348,7 +348,7 @@ def row_worker(a: argparse.Namespace) -> None:
            "wall": wall, "ranks_cpu_s": ranks_sum(own), "nocomm_ranks_cpu_s": ranks_sum(bare_own),
            "runs": [run]}
     if a.row == a.rows[0] and a.sweep == 0:  # the layout's tp pairs (adjacent ranks)
-        out["link"] = measure_link(a, [[r, r + 1] for r in range(0, 8, 2)])
+        out["link"] = measure_link(a, [[r, r + 1] for r in range(0, 8, 2)], a.link_repeats)
     if int(os.environ["RANK"]) == 0:
         print("RESULT " + json.dumps(out), flush=True)
     shutdown_distributed()
@@ -385,6 +385,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, nargs="+", default=list(range(len(ABLATION))),
                    choices=range(len(ABLATION)), metavar="ROW",
                    help="the rows to run, 0 (baseline) .. 6 (+ LAMB, 4x batch); default all")
+    p.add_argument("--share-rounds", type=int, default=2,
+                   help="turns of the core-sharing measurement (one alone, four jobs at once, each)")
+    p.add_argument("--link-repeats", type=int, default=40,
+                   help="all-gathers per point of the links' measurement")
     p.add_argument("--no-calibrate", action="store_true",
                    help="the planner column with the CPU preset's calibration as stored (placeholders if "
                         "never calibrated), not a fresh one")
@@ -396,11 +400,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> int:
-    a = parser().parse_args()
+    p = parser()
+    a = p.parse_args()
+    if min(a.sweeps, a.share_rounds, a.link_repeats) < 1:
+        p.error("--sweeps, --share-rounds and --link-repeats must be at least 1")
     if a.worker:
         {"row": row_worker, "share": share_worker}[a.worker](a)
         return 0
-    a.forward = forwarded(a) + ["--rows", *map(str, a.rows)]
+    a.forward = forwarded(a) + ["--rows", *map(str, a.rows), f"--link-repeats={a.link_repeats}"]
 
     from megascale.config import load_config
     from megascale.data import ensure_dataset
@@ -428,7 +435,7 @@ def main() -> int:
 
         calibrate_now()
         rows, link = run_ablation(cluster, a, after_sweep=calibrate_now)
-        sharing = measure_sharing(cluster, a)
+        sharing = measure_sharing(cluster, a, rounds=a.share_rounds)
         # the planner on each calibration, the cores' speed shared as measured, its links at the tbf
         # rate (nominal) and as fitted on the cluster (measured); per row the median over calibrations
         each = [predicted_steps(a, 8, link, sharing, c) for c in calibrations or [None]]

@@ -9,7 +9,8 @@ def test_ablation_benchmark_runs_on_a_simulated_cluster():
     from _cluster import TINY_SIM_RUN, run_benchmark_on_sim_cluster
 
     out = run_benchmark_on_sim_cluster("benchmarks/ablation.py", *TINY_SIM_RUN, "--sweeps", "1",
-                                       "--rows", "0", "6", "--no-calibrate")  # a job per row: two rows
+                                       "--rows", "0", "6", "--no-calibrate", "--share-rounds", "1",
+                                       "--link-repeats", "4")  # a job per row: two rows
     assert re.search(r"^links as measured .*: \d+ us per message, \d+ Mbit/s", out, re.M), out
     if len(os.sched_getaffinity(0)) < 8:  # 8 ranks time-slice the cores: how much speed a core keeps
         shared = r"^a core time-sliced by \d+ ranks keeps [\d.]+ of its speed"
