@@ -13,7 +13,8 @@ i+1's (or i-1's) GEMM computes, so only about one chunk of it stays exposed.
   column, TP   fwd: the GEMM as is (copy has no forward collective)
                bwd: one all-reduce per chunk, under the next chunk's dgrad, the last under the wgrad
   row, SP      fwd: reduce-scatter chunk i under the GEMM of chunk i+1, the last ones under the own rows'
-               bwd: as column SP's forward (all-gather grad_output), then one wgrad
+               bwd: as column SP's forward (all-gather grad_output), the own rows' part of the
+                    wgrad also under the gathers, each peer's rows' added as they come
   row, TP      fwd: all-reduce chunk i under the GEMM of chunk i+1;  bwd: no collective
 
 Own rows. Of an all-gather + GEMM, the rows of this rank's own shard need nothing from the wire,
@@ -66,7 +67,7 @@ from torch import Tensor
 from megascale.parallel.mesh import Mesh
 from megascale.parallel.tensor import symm_mem
 from megascale.parallel.tensor.flight import Flight, Overlap, num_chunks
-from megascale.parallel.tensor.slots import gathered_order, gemm_into, paired_rows
+from megascale.parallel.tensor.slots import add_wgrad, gathered_order, gemm_into, paired_rows
 
 
 def _amp_state(x: Tensor) -> tuple[str, bool, torch.dtype]:
@@ -229,16 +230,20 @@ class _RowReduceScatter(torch.autograd.Function):
         dx_slots = gathered_order(dx, c, tp)
         with _amp(ctx.amp):
             dt = _compute_dtype(ctx.amp, g.dtype)
-            wd = w.to(dt)
-            for i in range(c):  # the own rows first, while chunk 0's gather travels
-                gemm_into(dx_slots[i][ov.rank], own[i].to(dt), wd)
+            wd, wgrad = w.to(dt), ctx.needs_input_grad[1]
+            xs = gathered_order(x.contiguous().to(dt), c, tp) if wgrad else None
+            # The own rows first, while chunk 0's gather travels: their input gradient and their part of
+            # the weight gradient, which needs nothing from the wire either (twice the GEMM under it)
             for i in range(c):
-                flight.wait(i)  # the gathers of chunks > i go on under this chunk's dgrad GEMMs
+                gemm_into(dx_slots[i][ov.rank], own[i].to(dt), wd)
+            for i in range(c) if wgrad else ():
+                dw = add_wgrad(dw, own[i].to(dt), xs[i][ov.rank], w.dtype)
+            for i in range(c):
+                flight.wait(i)  # the gathers of chunks > i go on under this chunk's GEMMs
                 for r in ov.peers(tp):
                     gemm_into(dx_slots[i][r], gathered[i][r].to(dt), wd)
-            if ctx.needs_input_grad[1]:  # the gathered g holds this rank's chunks too
-                x_rows, g_rows = paired_rows(x, gathered, c, tp)
-                dw = (g_rows.T @ x_rows).to(w.dtype)
+                    if wgrad:
+                        dw = add_wgrad(dw, gathered[i][r].to(dt), xs[i][r], w.dtype)
         return dx, dw, None, None, None
 
 

@@ -53,3 +53,19 @@ def gemm_into(out: Tensor, a: Tensor, b: Tensor, bias: Tensor | None = None) -> 
             torch.mm(a[j], b, out=out[j])
         else:
             torch.addmm(bias, a[j], b, out=out[j])
+
+
+def add_wgrad(acc: Tensor | None, g: Tensor, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """acc + sum_j g[j]^T @ x[j] (a new tensor of `dtype` where acc is None), over dim 0 of 3D views
+    whose every [j] is one contiguous block of rows, operands in the compute dtype: a weight gradient
+    summed slot by slot, so that a slot's part is computed as soon as its rows are in. Accumulated in
+    place where `dtype` is the compute dtype, else (autocast's bf16 GEMMs) each part added in `dtype`,
+    never rounded to the compute dtype in between."""
+    for j in range(g.shape[0]):
+        if acc is None:
+            acc = (g[j].T @ x[j]).to(dtype)
+        elif acc.dtype == g.dtype:
+            acc.addmm_(g[j].T, x[j])
+        else:
+            acc += g[j].T @ x[j]
+    return acc
