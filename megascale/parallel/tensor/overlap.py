@@ -8,8 +8,8 @@ i+1's (or i-1's) GEMM computes, so only about one chunk of it stays exposed.
 
   column, SP   fwd: the own rows' GEMMs under chunk 0's all-gather, then chunk i+1's under the
                     peers' rows of chunk i (all gathers issued first)
-               bwd: reduce-scatter of chunk i's dgrad under chunk i+1's dgrad GEMM; the last ones
-                    under the own rows' dgrad and the one wgrad GEMM (Megatron's linear backward)
+               bwd: the dgrad in one GEMM, every chunk's reduce-scatter under the one wgrad GEMM
+                    (Megatron's linear backward)
   column, TP   fwd: the GEMM as is (copy has no forward collective)
                bwd: one all-reduce per chunk, under the next chunk's dgrad, the last under the wgrad
   row, SP      fwd: reduce-scatter chunk i under the GEMM of chunk i+1, the last ones under the own rows'
@@ -92,16 +92,18 @@ def _save(ctx, ov: Overlap, tp: int, amp, *tensors: Tensor) -> None:
     ctx.save_for_backward(*tensors)
 
 
-def _reduce_scatter_rows(flight: Flight, ov: Overlap, parts: Tensor, rows) -> Tensor:
+def _reduce_scatter_rows(flight: Flight, ov: Overlap, parts: Tensor, rows=None) -> Tensor:
     """Issue the reduce-scatter of one chunk, `parts` (tp, ...) stacked by the rank each slot goes to,
-    `rows(r, out)` writing slot r into `out`; returns where this rank's sum lands.
+    `rows(r, out)` writing slot r into `out` (None: every slot is written already); returns where this
+    rank's sum lands.
 
     With direct sends only the peers' slots must exist when the exchange starts, and the sum lands in
     this rank's own slot, added to in rank order at the wait, as the plain path adds: the own slot is
     computed later (`_own_rows_last`), under the exchanges in flight. A backend's collective reads its
     whole input while it runs, so there every slot is computed first, the sum goes to a tensor of its own."""
-    for r in ov.peers(parts.shape[0]) if ov.direct else range(parts.shape[0]):
-        rows(r, parts[r])
+    if rows is not None:
+        for r in ov.peers(parts.shape[0]) if ov.direct else range(parts.shape[0]):
+            rows(r, parts[r])
     out = parts[ov.rank] if ov.direct else parts.new_empty(parts.shape[1:])
     flight.reduce_scatter(out, parts)
     return out
@@ -148,13 +150,12 @@ class _GatherColumn(torch.autograd.Function):
         flight = Flight(ov)
         with _amp(ctx.amp):
             dt = _compute_dtype(ctx.amp, g.dtype)
-            gs, wd = gathered_order(g.contiguous().to(dt), c, tp), w.to(dt)  # g as the input was gathered
+            # The dgrad in one GEMM, copied into rank order (the copy also casts it to the input's dtype):
+            # each slot a GEMM of its own cost more than the copy and hid less than it cost
+            # (benchmarks/tp_layers.py, docs/overlap.md). Every reduce-scatter runs under the wgrad GEMM.
             parts = gathered.new_empty((c, tp, bsz, sc, d))  # the dgrad, stacked by the rank it goes to
-            dx = [_reduce_scatter_rows(flight, ov, parts[i], lambda r, o, i=i: gemm_into(o, gs[i][r], wd))
-                  for i in range(c)]
-            # chunk i's reduce-scatter runs under chunk i+1's dgrad GEMM, the last ones under the own
-            # rows' (direct sends) and the weight-gradient GEMM
-            _own_rows_last(ov, parts, lambda i, o: gemm_into(o, gs[i][ov.rank], wd))
+            parts.copy_(gathered_order(g.contiguous().to(dt) @ w.to(dt), c, tp))
+            dx = [_reduce_scatter_rows(flight, ov, parts[i]) for i in range(c)]
             dw = None
             if ctx.needs_input_grad[1]:
                 g_rows, x_rows = paired_rows(g, gathered, c, tp)
