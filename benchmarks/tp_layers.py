@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,7 +116,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=200, help="timed passes per layer and variant")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--port", type=int, default=29560)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("layers",), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.iters < 1 or a.seq % 2 or a.d_model % 2:
         p.error("--iters must be at least 1, --seq and --d-model even (they split over tp 2)")
@@ -131,17 +130,11 @@ def main() -> int:
     if not ok:
         print(f"tp_layers: skipped, {why}")
         return 0
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", *sys.argv[1:]]
+    from overlap import run_job  # (benchmarks/: this script's directory)
+
+    a.forward, a.timeout = sys.argv[1:], 1200  # what run_job hands the ranks, and how long it waits
     with netns.SimCluster(2, mbit=a.mbit) as cluster:
-        env = {"WORLD_SIZE": "2", "MASTER_ADDR": cluster.addr(0), "MASTER_PORT": str(a.port),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-        procs = [cluster.popen(r, argv, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True) for r in range(2)]
-        outs = [q.communicate(timeout=1200)[0] for q in procs]
-    for q, text in zip(procs, outs, strict=True):
-        if q.returncode:
-            raise RuntimeError(f"tp_layers: a rank exited {q.returncode}:\n{text[-3000:]}")
-    result = json.loads(next(ln for ln in outs[0].splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+        result = run_job(cluster, a, __file__, "layers", 2, a.port)
     print(f"2 hosts, {a.mbit:.0f} Mbit/s tbf links, {a.transport}; tp 2, sequence parallel, "
           f"{a.chunks} chunk(s); micro-batch {a.batch} x {a.seq}, d_model {a.d_model}; medians of {a.iters} "
           f"passes, ms")
