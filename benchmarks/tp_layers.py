@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from overlap import hidden_fraction, pin_to_core, run_job  # noqa: E402 (benchmarks/: this script's directory)
+
 VARIANTS = ("plain", "overlap", "alone")
 
 
@@ -50,8 +52,7 @@ def worker(a: argparse.Namespace) -> None:
     from megascale.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
     rank, tp = int(os.environ["RANK"]), 2
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)]})  # a host's core, as overlap.py pins its ranks
+    pin_to_core(argparse.Namespace(pin=True), tp)  # a host's core each, as overlap.py's ranks
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = Mesh.build(ParallelConfig(tp=tp, sequence_parallel=True, transport=a.transport))
@@ -99,12 +100,6 @@ def worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def hidden(plain: float, overlap: float, alone: float) -> float:
-    """(plain - overlap) / (plain - alone): nan where the collective cost nothing to hide."""
-    exposed = plain - alone
-    return (plain - overlap) / exposed if exposed > 0 else float("nan")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mbit", type=float, default=1000.0, help="each host's link, tc tbf")
@@ -130,8 +125,6 @@ def main() -> int:
     if not ok:
         print(f"tp_layers: skipped, {why}")
         return 0
-    from overlap import run_job  # (benchmarks/: this script's directory)
-
     a.forward, a.timeout = sys.argv[1:], 1200  # what run_job hands the ranks, and how long it waits
     with netns.SimCluster(2, mbit=a.mbit) as cluster:
         result = run_job(cluster, a, __file__, "layers", 2, a.port)
@@ -146,9 +139,10 @@ def main() -> int:
             for v, x in zip(VARIANTS, t, strict=True):
                 total[v] += x
             print(f"{name:7} {pas:4} {t[0] * 1e3:7.3f} {t[1] * 1e3:8.3f} {t[2] * 1e3:12.3f} "
-                  f"{hidden(*t):7.1%}")
+                  f"{hidden_fraction(*t):7.1%}")
     t = [total[v] for v in VARIANTS]
-    print(f"{'block':7} {'all':4} {t[0] * 1e3:7.3f} {t[1] * 1e3:8.3f} {t[2] * 1e3:12.3f} {hidden(*t):7.1%}")
+    print(f"{'block':7} {'all':4} {t[0] * 1e3:7.3f} {t[1] * 1e3:8.3f} {t[2] * 1e3:12.3f} "
+          f"{hidden_fraction(*t):7.1%}")
     return 0
 
 
