@@ -453,19 +453,22 @@ def what_is_left(r: dict, streams: tuple[str, ...], own_cores: bool = True) -> s
     compute slowed by the messages themselves (the overlapped compute less the no-comm variant's, which
     runs the same overlapped code with its collectives no-ops): the CPU the kernel and the transport
     spend on a message comes out of the core that computes beside it (a NIC's work on a real host), so
-    no overlap can hide it. Of the exposed part, the waits until the collective's last member arrived
-    (observe.lateness): the ranks' skew, which a synchronous step pays whatever the network (on this VM
-    one rank's backward runs 10-20 ms longer than its peer's in some steps, at random). And what the
-    overlap's own code costs: the no-comm compute against the serial one (for tp, the GEMMs cut by rank
-    and chunk). Each figure the slowest rank's median, so the two parts need not add up to the
-    difference of the steps. H's ceiling (hidden_ceiling) only where each rank has a core of its own
-    (`own_cores`): ranks time-slicing a core stretch each other's compute spans by their messages' CPU,
-    and those stretches overlap in time, so they do not add up to the step (--dims all here: 170 ms
-    of stretch a rank, against 60 ms between T_serial and T_nocomm)."""
+    no overlap can hide it; also as a ratio, the GEMMs slowed by the overlap's messages. What the thread
+    that starts a message spends starting it (the kernel's send path) is not in it: that is exposed
+    communication (observe/timers.py, `issued`). Of the exposed part, the waits until the collective's
+    last member arrived (observe.lateness): the ranks' skew, which a synchronous step pays whatever the
+    network (on this VM one rank's backward runs 10-20 ms longer than its peer's in some steps, at
+    random). And what the overlap's own code costs: the no-comm compute against the serial one (for tp,
+    the GEMMs cut by rank and chunk). Each figure the slowest rank's median, so the two parts need not
+    add up to the difference of the steps. H's ceiling (hidden_ceiling) only where each rank has a core
+    of its own (`own_cores`): ranks time-slicing a core stretch each other's compute spans by their
+    messages' CPU, and those stretches overlap in time, so they do not add up to the step (--dims all
+    here: 170 ms of stretch a rank, against 60 ms between T_serial and T_nocomm)."""
     exposed = sum(r["overlap"][f"exposed_{s}"] - r["nocomm"][f"exposed_{s}"] for s in streams)
     late = sum(r["overlap"][f"late_{s}"] - r["nocomm"][f"late_{s}"] for s in streams)
     slowed = r["overlap"]["compute"] - r["nocomm"]["compute"]
     own = r["nocomm"]["compute"] / r["serial"]["compute"] if r["serial"]["compute"] else float("nan")
+    slowed_x = r["overlap"]["compute"] / r["nocomm"]["compute"] if r["nocomm"]["compute"] else float("nan")
     serial, over, nocomm = (r[v]["step"] for v in VARIANTS)
     ceiling = hidden_ceiling(serial, nocomm, slowed, late)
     of_it = hidden_fraction(serial, over, nocomm) / ceiling if ceiling > 0 else float("nan")
@@ -473,7 +476,8 @@ def what_is_left(r: dict, streams: tuple[str, ...], own_cores: bool = True) -> s
              else "H's ceiling not measured (ranks share cores)")
     return (f"T_overlap - T_nocomm {(over - nocomm) * 1e3:.0f} ms, of it "
             f"exposed {exposed * 1e3:.0f} ms ({late * 1e3:.0f} of them waiting for a peer to arrive) and "
-            f"the messages' CPU in the compute {slowed * 1e3:.0f} ms; "
+            f"the messages' CPU in the compute {slowed * 1e3:.0f} ms (x{slowed_x:.2f} the no-comm "
+            f"variant's); "
             f"the overlap's own code x{own:.2f} (no-comm compute against serial); "
             f"{limit}")
 

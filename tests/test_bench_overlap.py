@@ -25,7 +25,8 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
     waits = r"dp waits \(gathers, reduce-scatters, norms\) [\d./]+ -> \d+\.\d/\d+\.\d/\d+\.\d ms"
     assert len(re.findall(waits, out)) == 2, out  # dp's and all's
     left = (r"T_overlap - T_nocomm -?\d+ ms, of it exposed -?\d+ ms \(-?\d+ of them waiting for a peer to "
-            r"arrive\) and the messages' CPU in the compute -?\d+ ms; the overlap's own code x[\d.]+ "
+            r"arrive\) and the messages' CPU in the compute -?\d+ ms \(x[\d.]+ the no-comm variant's\); "
+            r"the overlap's own code x[\d.]+ "
             r"\(no-comm compute against serial\); H's ceiling (on these cores (\d+|nan)% \(H is -?(\d+|nan)% "
             r"of it\)|not measured \(ranks share cores\))")
     assert len(re.findall(left, out)) == 4, out  # every dimension's

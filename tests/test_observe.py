@@ -102,6 +102,45 @@ def test_an_async_op_belongs_to_the_step_that_waited_for_it(tmp_path):
     assert by_op["all_gather"].step == 4 and by_op["all_gather"].t0 <= by_op["forward"].t0
 
 
+def test_an_async_ops_issue_is_exposed_communication_not_compute(tmp_path):
+    # On CPU, starting a send runs the kernel's delivery path on the issuing thread: communication work
+    # inside the backward, which the step's breakdown must not count as compute
+    rec = _recorder(tmp_path)
+    timers.install(rec)
+    try:
+        rec.set_step(0)
+        with timers.span("backward"):
+            time.sleep(0.004)
+            pending = timers.launch("reduce_scatter", "tp", "tp", nbytes=64)
+            time.sleep(0.006)  # the start of the op (the kernel writing the message)
+            pending.issued()
+            time.sleep(0.004)  # overlapped: compute
+            pending.wait(_Work(0.002))
+    finally:
+        timers.install(None)
+        rec.close()
+    events = read_rank(tmp_path / "trace" / "rank_00000.jsonl").events
+    by_op = {e.op: e for e in events}
+    issue, rs, bwd = by_op["issue"], by_op["reduce_scatter"], by_op["backward"]
+    assert (issue.stream, issue.group, issue.seq, issue.nbytes) == ("tp", "tp", -1, 0)
+    assert issue.blocked == issue.dur >= 6e6 and issue.t0 == rs.t0 and rs.blocked < rs.dur
+    assert bwd.blocked >= issue.dur + rs.blocked  # the straggler detector's compute excludes both
+    step = step_breakdown({0: read_rank(tmp_path / "trace" / "rank_00000.jsonl")})["max"][0]
+    assert step["exposed_tp"] >= 0.008 and step["compute"] < 0.009  # 6 + 2 ms exposed; 4 + 4 ms compute
+
+    gpu = _recorder(tmp_path / "gpu")  # a GPU's recorder (no CUDA here: only its flag), where a launch
+    gpu._gpu = True  # only queues work and the device computes on: no issue event
+    timers.install(gpu)
+    try:
+        timers.launch("reduce_scatter", "tp", "tp").issued()
+    finally:
+        timers.install(None)
+        gpu._gpu = False  # close() would synchronise CUDA
+        gpu.close()
+    gpu_events = read_rank(tmp_path / "gpu" / "trace" / "rank_00000.jsonl").events
+    assert not [e for e in gpu_events if e.op == "issue"]
+
+
 def test_inflight_record_shows_the_op_in_progress(tmp_path):
     rec = _recorder(tmp_path)
     try:

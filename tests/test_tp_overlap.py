@@ -72,16 +72,20 @@ def test_overlap_is_off_without_tp_or_chunks():
 
 
 class _Launches:
-    """A stand-in recorder: counts the async collectives and checks each is waited once."""
+    """A stand-in recorder: counts the async collectives, checks each is marked issued once started (its
+    issuing thread's part timed) and waited once."""
 
     def __init__(self):
-        self.issued, self.waited = [], 0
+        self.launched, self.started, self.waited = [], 0, 0
 
     def launch(self, op, stream, group, peer, tag, nbytes):
-        self.issued.append((op, stream, group))
+        self.launched.append((op, stream, group))
         outer = self
 
         class Pending:
+            def issued(self):
+                outer.started += 1
+
             def wait(self, work=None):
                 outer.waited += 1
                 work.wait()
@@ -118,7 +122,7 @@ def _layer_pair(rank, kind, sp, chunks, batch, seq, direct=True, autocast=False)
     diffs = [rel(a.double(), b.double()) for a, b in zip(out[1], out[0], strict=True)]
     if autocast:
         return diffs, [[t.dtype for t in o] for o in out]
-    return diffs, rec.issued, rec.waited
+    return diffs, rec.launched, (rec.started, rec.waited)
 
 
 CHUNKED = {"column": {True: "reduce_scatter", False: "all_reduce"},  # backward's collective
@@ -132,13 +136,13 @@ CHUNKED = {"column": {True: "reduce_scatter", False: "all_reduce"},  # backward'
 def test_overlapped_layer_equals_the_plain_layer(pool, kind, sp, chunks, batch, seq, direct):
     """direct: the reduce-scatters as direct sends, whose own slot is computed after they start
     (overlap.py `_reduce_scatter_rows`); gloo: its collectives, every slot first."""
-    (diffs, issued, waited), _ = pool.run(_layer_pair, kind, sp, chunks, batch, seq, direct)
+    (diffs, launched, (started, waited)), _ = pool.run(_layer_pair, kind, sp, chunks, batch, seq, direct)
     assert max(diffs) < TOL, diffs
     tokens = seq // 2 if sp else batch * seq  # what SP chunks (the local sequence) or TP (the tokens)
     n = num_chunks(tokens, chunks)
-    ops = [op for op, _, _ in issued]
-    assert all(stream == "tp" and group == "tp" for _, stream, group in issued)
-    assert ops.count(CHUNKED[kind][sp]) == n and waited == len(issued)
+    ops = [op for op, _, _ in launched]
+    assert all(stream == "tp" and group == "tp" for _, stream, group in launched)
+    assert ops.count(CHUNKED[kind][sp]) == n and started == waited == len(launched)
     assert ops.count("all_gather") == (n if sp else 0)  # column fwd / row bwd under SP
 
 

@@ -305,7 +305,9 @@ class ParallelEngine:
         if skips("agree", step):  # an injected bug: this rank leaves the others waiting here
             return _Agreement(loss, stop_signal)
         pending = timers.launch("all_reduce", "dp", "world")
-        return _Agreement(loss, stop_signal, buf, pending, dist.all_reduce(buf, async_op=True))
+        work = dist.all_reduce(buf, async_op=True)
+        pending.issued()
+        return _Agreement(loss, stop_signal, buf, pending, work)
 
     @staticmethod
     def finish_agree(agreement: _Agreement) -> tuple[float, int | None]:

@@ -145,6 +145,7 @@ class Bucket:
             else:
                 self.work = dist.reduce_scatter_single(self.grad_shard, self.grad_data,
                                                        group=self.mesh.dp_group, async_op=True)
+            self.pending.issued()
 
     def start_param_gather(self):
         """All-gather every rank's updated shard into the full bucket (async; returns the work or None)."""
@@ -153,10 +154,12 @@ class Bucket:
         pending = timers.launch("all_gather", "dp", "dp",
                                 nbytes=self.param_data.numel() * self.param_data.element_size())
         if self.mesh.direct_collectives:
-            return pending, start_all_gather(self.param_data, self.param_shard, self.mesh.dp_group,
-                                             tag=self.index)
-        return pending, dist.all_gather_single(self.param_data, self.param_shard, group=self.mesh.dp_group,
-                                               async_op=True)
+            work = start_all_gather(self.param_data, self.param_shard, self.mesh.dp_group, tag=self.index)
+        else:
+            work = dist.all_gather_single(self.param_data, self.param_shard, group=self.mesh.dp_group,
+                                          async_op=True)
+        pending.issued()
+        return pending, work
 
 
 class DPBuffers:

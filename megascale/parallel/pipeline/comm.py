@@ -74,6 +74,7 @@ class P2P:
         buf = tensor.detach().to(self.dtype).contiguous()
         timed = timers.launch("send", "pp", "pp", peer=dst, tag=tag, nbytes=buf.numel() * buf.element_size())
         work = _Bounded(p2p.isend(buf, dst=dst, group=self.group(tag), tag=tag), self.timeout[tag])
+        timed.issued()
         self.pending.append((work, buf, timed))
 
     def send_lazily(self, tensor: Tensor, dst: int, tag: int) -> None:

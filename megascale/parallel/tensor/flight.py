@@ -71,6 +71,7 @@ class Flight:
     def _issue(self, op: str, nbytes: int, collective, *tensors: Tensor) -> None:
         pending = timers.launch(op, "tp", "tp", nbytes=nbytes)
         self.ops.append((pending, collective(*tensors, group=self.group, async_op=True), tensors))
+        pending.issued()
 
     # out / inp (tp, ...) stacked by rank; gloo wants them concatenated, (tp * n0, ...): views
     def all_gather(self, out: Tensor, inp: Tensor) -> None:
@@ -88,6 +89,7 @@ class Flight:
     def _direct(self, op: str, nbytes: int, start, out: Tensor, inp: Tensor) -> None:
         pending = timers.launch(op, "tp", "tp", nbytes=nbytes)  # the exchange keeps its tensors itself
         self.ops.append((pending, start(out, inp, self.group), ()))
+        pending.issued()
 
     def all_reduce(self, t: Tensor) -> None:
         self._issue("all_reduce", _nbytes(t), dist.all_reduce, t)
