@@ -153,8 +153,10 @@ class _GatherColumn(torch.autograd.Function):
             # The dgrad in one GEMM, copied into rank order (the copy also casts it to the input's dtype):
             # each slot a GEMM of its own cost more than the copy and hid less than it cost
             # (benchmarks/tp_layers.py, docs/overlap.md). Every reduce-scatter runs under the wgrad GEMM.
-            parts = gathered.new_empty((c, tp, bsz, sc, d))  # the dgrad, stacked by the rank it goes to
-            parts.copy_(gathered_order(g.contiguous().to(dt) @ w.to(dt), c, tp))
+            # At one sequence and one chunk the GEMM's rows are in rank order already: no copy, unless to cast.
+            parts = gathered_order(g.contiguous().to(dt) @ w.to(dt), c, tp)  # stacked by the rank it goes to
+            if not parts.is_contiguous() or parts.dtype != gathered.dtype:
+                parts = gathered.new_empty((c, tp, bsz, sc, d)).copy_(parts)
             dx = [_reduce_scatter_rows(flight, ov, parts[i]) for i in range(c)]
             dw = None
             if ctx.needs_input_grad[1]:
