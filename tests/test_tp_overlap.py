@@ -130,7 +130,8 @@ CHUNKED = {"column": {True: "reduce_scatter", False: "all_reduce"},  # backward'
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "gloo"])
-@pytest.mark.parametrize("batch,seq,chunks", [(2, 12, 1), (1, 12, 1), (2, 12, 2), (2, 12, 3), (1, 12, 5), (3, 4, 4)])
+@pytest.mark.parametrize("batch,seq,chunks",
+                         [(2, 12, 1), (1, 12, 1), (2, 12, 2), (2, 12, 3), (1, 12, 5), (3, 4, 4)])
 @pytest.mark.parametrize("sp", [True, False], ids=["sp", "tp"])
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_overlapped_layer_equals_the_plain_layer(pool, kind, sp, chunks, batch, seq, direct):

@@ -149,8 +149,10 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.mesh)
         if self._output_mode == "none":
-            y = F.linear(x, self.weight)
-            return y + self.bias if self.bias is not None and self.mesh.tp_rank == 0 else y
+            # The bias in the GEMM (on tp rank 0 only), so that under autocast every rank's partial sum
+            # has the compute dtype: an fp32 bias added after a bf16 GEMM made rank 0's sum fp32 and
+            # the collective that adds the ranks' sums a mismatch (the parallel block in bf16).
+            return F.linear(x, self.weight, self.bias if self.mesh.tp_rank == 0 else None)
         if self.overlap is not None:
             y = row_linear(x, self.weight, self._output_mode, self.mesh, self.overlap)
         else:

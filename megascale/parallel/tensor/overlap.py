@@ -153,7 +153,7 @@ class _GatherColumn(torch.autograd.Function):
             # The dgrad in one GEMM, copied into rank order (the copy also casts it to the input's dtype):
             # each slot a GEMM of its own cost more than the copy and hid less than it cost
             # (benchmarks/tp_layers.py, docs/overlap.md). Every reduce-scatter runs under the wgrad GEMM.
-            # At one sequence and one chunk the GEMM's rows are in rank order already: no copy, unless to cast.
+            # At one sequence and one chunk its rows are in rank order already: no copy, unless to cast.
             parts = gathered_order(g.contiguous().to(dt) @ w.to(dt), c, tp)  # stacked by the rank it goes to
             if not parts.is_contiguous() or parts.dtype != gathered.dtype:
                 parts = gathered.new_empty((c, tp, bsz, sc, d)).copy_(parts)
