@@ -55,9 +55,10 @@ MODELS = {
 # "-gloo": the point-to-point messages over gloo's isend/irecv, not our transport (distributed/sockets.py)
 LAYOUTS = {
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "gpt", "adamw", "fp32", False),
-    # autocast: the parallel block's row layers add their partial sums, rank 0's with the bias, in bf16
-    "tp2-sp-bf16": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"], "gpt-parallel", "adamw", "bf16",
-                    False),
+    # autocast: the parallel block's row layers add their partial sums, rank 0's with the bias, in bf16;
+    # the stages pass activations autocast made
+    "pp2-tp2-sp-bf16": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+                        "gpt-parallel", "adamw", "bf16", False),
     "tp2-sp-overlap": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=true",
                            "parallel.tp_overlap_chunks=2"], "gpt", "adamw", "fp64", False),
     # the fused parallel block's all-gather and reduce-scatter under its MLP's own rows (branches.py)
