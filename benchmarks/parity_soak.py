@@ -31,7 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {"fp64": 1e-10, "fp32": 1e-4, "bf16": 5e-3}
 LAYOUTS = {2: [(2, 1, 1), (1, 2, 1), (1, 1, 2)],  # (tp, pp, dp)
-           4: [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 4, 1), (1, 1, 4)]}
+           4: [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (1, 4, 1), (1, 1, 4)],
+           8: [(2, 2, 2), (4, 2, 1), (4, 1, 2), (2, 4, 1), (2, 1, 4), (1, 2, 4)]}  # not drawn unless asked
 # 4 layers of d_model 64, 4 heads, 64 tokens; 8 micro-batches of 2 a step (2 per rank at dp 4)
 SMALL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.seq_len=64", "model.dropout=0.0",
          "train.global_batch=16", "train.micro_batch=2", "train.eval_batches=2", "checkpoint.interval=0",
@@ -98,7 +99,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--combos", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0, help="which combinations (the same seed draws the same)")
-    ap.add_argument("--world", type=int, nargs="+", choices=sorted(LAYOUTS), default=sorted(LAYOUTS))
+    ap.add_argument("--world", type=int, nargs="+", choices=sorted(LAYOUTS), default=[2, 4],
+                    help="ranks of the layouts drawn (8 time-slices 2 cores 4 ways: slower)")
     ap.add_argument("--steps", type=int, default=4, help="training steps (validation at half and at the end)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
     ap.add_argument("--keep", type=Path, help="keep the run directories here")
