@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -17,3 +18,13 @@ def run_benchmark(script: str, *args: str, timeout: float = 300,
                        timeout=timeout, env=env)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     return r.stdout
+
+
+def load_benchmark(script: str, name: str):
+    """benchmarks/`script` imported as module `name` (a script, not a package member), for the tests of
+    its functions; registered in sys.modules, as dataclasses and pickling look a module up there."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

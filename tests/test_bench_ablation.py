@@ -33,14 +33,11 @@ def test_ablation_benchmark_runs_on_a_simulated_cluster():
 def test_each_rows_planner_is_the_median_over_the_calibrations():
     """ablation.py calibrates the CPU before the first sweep and after each: per row, the prediction
     with the median step time (the lower middle one of an even count)."""
-    import importlib.util
-    from pathlib import Path
     from types import SimpleNamespace
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ablation.py"  # (it finds overlap.py itself)
-    spec = importlib.util.spec_from_file_location("ablation_bench", path)
-    ablation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablation)
+    from _bench import load_benchmark
+
+    ablation = load_benchmark("ablation.py", "ablation_bench")  # (it finds overlap.py itself)
 
     def on(*steps):  # one calibration's predictions, a row each
         return [SimpleNamespace(step_time=s) for s in steps]

@@ -8,27 +8,15 @@ the test fails, it does not skip.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+from _bench import load_benchmark
 
 from megascale.distributed.traffic import BACKENDS, MODES, count_ops, startup_traffic
 from megascale.parallel.mesh import mesh_group_kinds
 
-
-def _load_benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "init_scale.py"
-    spec = importlib.util.spec_from_file_location("init_scale", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["init_scale"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("init_scale.py", "init_scale")
 
 MESH = (16, 2, 2)  # dp, pp, tp: 64 ranks
 WORLD = 64

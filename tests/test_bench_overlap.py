@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _bench import load_benchmark
 
 from megascale.config import ConfigError
 
@@ -35,12 +36,7 @@ def test_overlap_benchmark_runs_on_a_simulated_cluster():
 
 
 def _overlap_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("overlap_bench", ROOT / "benchmarks" / "overlap.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("overlap.py", "overlap_bench")
 
 
 def test_hidden_fraction_and_its_interval_over_rounds():

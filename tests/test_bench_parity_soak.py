@@ -1,22 +1,16 @@
 """Smoke test of benchmarks/parity_soak.py: random feature combinations, each layout against one process."""
 
-import importlib.util
 import random
 import re
 from pathlib import Path
 
-from _bench import run_benchmark
+from _bench import load_benchmark, run_benchmark
 
 from megascale.config import load_config, validate_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _soak():
-    spec = importlib.util.spec_from_file_location("parity_soak", ROOT / "benchmarks" / "parity_soak.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_one_combination_trains_as_one_process_and_as_its_layout():
@@ -27,7 +21,7 @@ def test_one_combination_trains_as_one_process_and_as_its_layout():
 
 def test_every_drawn_combination_is_a_config_the_trainer_accepts():
     """The soak's time goes to training, not to layouts the config check refuses."""
-    soak = _soak()
+    soak = load_benchmark("parity_soak.py", "parity_soak")
     rng = random.Random(0)
     for _ in range(300):
         world = rng.choice(sorted(soak.LAYOUTS))
