@@ -19,7 +19,6 @@ failed (a layout the config refuses is counted, not failed).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import shutil
@@ -28,6 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megascale.observe.metrics import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = {"fp64": 1e-10, "fp32": 1e-4, "bf16": 5e-3}
@@ -94,8 +97,7 @@ def train(overrides: list[str], nproc: int, run_dir: Path, timeout: float) -> tu
         last = ([ln for ln in lines if re.search(r"\w(Error|Exception): ", ln)] or
                 [ln for ln in lines if "error: " in ln] or lines or ["(no output)"])[-1].strip()
         return None, ("refused: " if r.returncode == 2 else f"exit {r.returncode}: ") + last[:300]
-    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [x["loss"] for x in records if x["kind"] in ("train", "val")], ""
+    return [x["loss"] for x in read_metrics(run_dir / "metrics.jsonl") if x["kind"] in ("train", "val")], ""
 
 
 def main() -> int:
