@@ -9,6 +9,7 @@ reason; the CLI turns it into one line on stderr and exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 import types
@@ -377,6 +378,8 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
             return value
     elif hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # TOML has nan and inf; no field means anything by them
+                raise ConfigError(f"{name}: must be a finite number, got {value!r}")
             return float(value)
     elif hint is str:
         if isinstance(value, str):
@@ -412,6 +415,9 @@ def validate(cfg: Config) -> None:
         _positive(f"model.{name}", getattr(m, name))
     _positive("model.vocab_size", m.vocab_size, allow_zero=True)
     _positive("model.d_ff", m.d_ff, allow_zero=True)
+    _positive("model.norm_eps", m.norm_eps, allow_zero=True)
+    _positive("model.init_std", m.init_std)
+    _positive("model.rope_theta", m.rope_theta)
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.n_heads: {m.n_heads} heads do not divide model.d_model={m.d_model}")
     if m.style == "llama" and m.head_dim % 2:
@@ -435,6 +441,7 @@ def validate(cfg: Config) -> None:
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(o, name) < 1.0:
             raise ConfigError(f"optim.{name}: must be in [0, 1), got {getattr(o, name)}")
+    _positive("optim.eps", o.eps, allow_zero=True)
     _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
     _positive("optim.grad_clip", o.grad_clip, allow_zero=True)
@@ -444,8 +451,11 @@ def validate(cfg: Config) -> None:
     _positive("train.steps", t.steps)
     _positive("train.micro_batch", t.micro_batch)
     _positive("train.global_batch", t.global_batch)
-    for name in ("eval_interval", "eval_batches", "log_interval"):
+    for name in ("eval_interval", "log_interval"):
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    _positive("train.eval_batches", t.eval_batches)  # validation off is train.eval_interval = 0
+    if not t.run_dir:
+        raise ConfigError("train.run_dir: must name a directory (empty would write into the current one)")
     per_step = t.micro_batch * p.dp
     if p.dp and t.global_batch % per_step:
         raise ConfigError(

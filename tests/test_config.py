@@ -51,6 +51,14 @@ def test_round_trip_through_toml(tmp_path):
         (["optim.min_lr=1.0", "optim.lr=0.1"], "optim.min_lr", "above"),
         (["train.steps=0"], "train.steps", "> 0"),
         (["model.dropout=1.5"], "model.dropout", "[0, 1)"),
+        (["optim.lr=nan"], "optim.lr", "finite number"),  # NaN passes every comparison
+        (["observe.hang_timeout_s=inf"], "observe.hang_timeout_s", "finite number"),
+        (["model.init_std=-1"], "model.init_std", "> 0"),
+        (["model.rope_theta=0"], "model.rope_theta", "> 0"),
+        (["model.norm_eps=-1e-5"], "model.norm_eps", ">= 0"),
+        (["optim.eps=-1e-8"], "optim.eps", ">= 0"),
+        (["train.eval_batches=0"], "train.eval_batches", "> 0"),  # validation of nothing: a NaN loss
+        (['train.run_dir=""'], "train.run_dir", "current one"),
         (["noequals"], "noequals", "section.field=value"),
         # parallel layouts: checked before any process starts
         (["parallel.tp=4"], "parallel.tp", "whole heads"),
