@@ -44,6 +44,7 @@ import torch
 
 from megascale.checkpoint import CheckpointManager, RestoreInfo, rng_state, set_rng_state
 from megascale.checkpoint.rundir import RunDirLock, archive_previous_run
+from megascale.checkpoint.storage import CheckpointError
 from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import build_tokenizer, ensure_dataset, open_splits
 from megascale.data.shared_loader import build_loader
@@ -268,9 +269,13 @@ class Trainer:
         stage 2 to storage in the background; `final` waits for storage. Returns the storage path."""
         extra = {"rng": rng_state(), "loader": self.loader.state_dict()}
         self.checkpoints.save(self.step, self.engine, extra, persist, last=final)
-        if final:
-            self.checkpoints.finish(self.step)
-        return self.checkpoints.storage.url(self.checkpoints.storage.step_dir(self.step))
+        path = self.checkpoints.storage.url(self.checkpoints.storage.step_dir(self.step))
+        if final and not self.checkpoints.finish(self.step):  # the run's end: no later save will cover it
+            kept = (f"it stays in host memory ({self.checkpoints.memory_dir}): run the same command again "
+                    "to write it" if self.cfg.checkpoint.memory else "checkpoint.memory is off: it is lost")
+            raise CheckpointError(f"checkpoint: the final state (step {self.step}) did not reach storage "
+                                  f"{path} ({self.checkpoints.persist_error}); {kept}")
+        return path
 
     def close(self) -> None:
         """Release the run directory, the checkpoint threads and the trace writer (fit() releases the
@@ -424,7 +429,10 @@ class Trainer:
                 if self._stopping() is not None:
                     break
             interrupted = self._stopping() is not None
-            if self.step > start_step or interrupted:
+            # resumed from a host-memory snapshot of the last step that storage lacks (its final persist
+            # failed): write it now
+            unsaved = self.restored is not None and self.step not in self.checkpoints.committed
+            if self.step > start_step or interrupted or unsaved:
                 # no more steps: the driver's frozen-step check is for training (the final save, the
                 # wait for storage may take longer than a step; the observe watchdog still guards it)
                 self.heartbeat.update(status="saving")

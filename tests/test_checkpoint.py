@@ -184,7 +184,8 @@ def test_metadata_that_is_not_dcp_is_never_unpickled(corpus, tmp_path, reference
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 def test_a_full_disk_fails_the_persist_and_training_goes_on(corpus, tmp_path, reference):
     """Storage on a tmpfs with room for one checkpoint: the second persist fails with one line naming
-    the path and the cause, training finishes, and the next start (memory lost) restores the first."""
+    the path and the cause, training finishes, the run fails for want of its final checkpoint, and the
+    next start (memory lost) restores the first."""
     probe = tmp_path / "probe"
     trainer(corpus, probe).fit(max_steps=3)
     size = sum(f.stat().st_size for f in (probe / "checkpoints" / "step_000003").iterdir())
@@ -197,7 +198,7 @@ def test_a_full_disk_fails_the_persist_and_training_goes_on(corpus, tmp_path, re
     try:
         run_dir = tmp_path / "run"
         r = cli(corpus, run_dir, f"checkpoint.path={json.dumps(str(disk))}")
-        assert r.returncode == 0, r.stderr
+        assert r.returncode == 2 and "the final state (step 8) did not reach storage" in r.stderr, r.stderr
         fails = [ln for ln in r.stderr.splitlines() if "persisting step" in ln]
         assert fails and all("No space left on device" in ln and str(disk) in ln for ln in fails), r.stderr
         assert "persisting step 6" in fails[0] and "step 3 stays the newest checkpoint" in fails[0]
@@ -208,6 +209,37 @@ def test_a_full_disk_fails_the_persist_and_training_goes_on(corpus, tmp_path, re
         assert "resumed from storage at step 3" in r.stdout, (r.stdout, r.stderr)
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_final_state_storage_lacks_fails_the_run_and_a_rerun_writes_it(corpus, tmp_path, reference):
+    """The end's persist fails (a full disk at step 8): the run exits 2 with one line saying so and where
+    the state is kept; the same command again resumes from host memory and writes it, nothing re-trained."""
+    run_dir = tmp_path / "run"
+    r = cli(corpus, run_dir, env={"MEGASCALE_INJECT": "full@write:8"})
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "the final state (step 8) did not reach storage" in last, last
+    assert "No space left on device" in last and "it stays in host memory" in last, last
+    assert "run the same command again" in last, last
+    storage = Storage(run_dir / "checkpoints")
+    assert [s for s, _ in storage.committed()] == [3, 6] and memory_files(run_dir)
+    r = cli(corpus, run_dir)
+    assert r.returncode == 0, r.stderr
+    assert "resumed from memory at step 8" in r.stdout, r.stdout
+    assert [s for s, _ in storage.committed()] == [6, 8] and not memory_files(run_dir)
+    assert same(final_weights(run_dir), reference)
+
+
+def test_a_run_dir_or_storage_that_cannot_be_written_is_refused_at_the_start(corpus, tmp_path):
+    """One line naming the field and the path, exit 2, before any step: not a traceback, nor a lost final
+    checkpoint hours later."""
+    r = cli(corpus, tmp_path / "run", "checkpoint.path=/proc/megascale-nope")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "checkpoint.path /proc/megascale-nope: cannot write there" in r.stderr, r.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    r = cli(corpus, tmp_path / "run", "train.run_dir=/proc/megascale-nope/run")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "train.run_dir /proc/megascale-nope/run: cannot be created or written" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("mode", [

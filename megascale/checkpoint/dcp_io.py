@@ -318,6 +318,9 @@ def persist(storage: Storage, step: int, write, meta: dict[str, Any] | None, gro
     result = [ok, errors[0] if errors else ""]
     if world > 1:
         dist.broadcast_object_list(result, src=_global_rank0(group), group=group)
+    if not result[0] and rank == 0:  # every rank is done with it: its files would only take the room a
+        with contextlib.suppress(Exception):  # later persist needs (a full disk); best effort
+            storage.remove(path)
     if inject is not None and result[0] and not storage.is_url:
         inject("committed", step, [f"{path}/{name}" for name in files])  # e.g. a shard that rots on disk
     written = sum(f["bytes"] for f in files.values())

@@ -104,6 +104,8 @@ class CheckpointManager:
         self.layout, self.log = layout, log
         self.default_storage = not c.path
         self.storage = Storage(c.path or run_dir.resolve() / "checkpoints")
+        if rank == 0:
+            self.storage.check_writable()
         # stage 2's collectives run in a background thread: a gloo group of their own keeps them
         # apart from training's (NCCL or gloo) collectives, whatever order the two threads go in
         self.group = dist.new_group(backend="gloo") if world > 1 else None
@@ -120,6 +122,7 @@ class CheckpointManager:
         self._events: list[dict[str, Any]] = []
         self._events_lock = threading.Lock()
         self.committed: set[int] = set()
+        self.persist_error = ""  # why the last failed persist failed
         self._snapshot_step = -1
         self.last_blocked_s = 0.0
         self.skipped = 0  # memory snapshots skipped for want of a free slot (see save)
@@ -221,6 +224,7 @@ class CheckpointManager:
             if self.rank == 0:
                 self._trim()
         else:
+            self.persist_error = result.error or "unknown error"
             newest = max(self.committed) if self.committed else None
             self.log(f"checkpoint: persisting step {step} to {self.storage.url(result.path)} failed "
                      f"({result.error}); training goes on"

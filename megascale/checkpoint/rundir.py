@@ -32,8 +32,12 @@ class RunDirLock:
         self._fh = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+")  # noqa: SIM115 - held open for the run's lifetime
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fh = open(self.path, "a+")  # noqa: SIM115 - held open for the run's lifetime
+        except OSError as e:
+            raise UserError(f"train.run_dir {self.path.parent}: cannot be created or written "
+                            f"({e.strerror or e})") from None
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -124,6 +124,19 @@ class Storage:
         os.replace(tmp, os.path.join(path, COMMIT))
         fsync(path)
 
+    def check_writable(self) -> None:
+        """Create the root and write a file in it (removed again): a path no checkpoint can be saved to
+        fails the start with one line, not the first save hours later."""
+        probe = self.join(f".write_test_{os.getpid()}")
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+            with self.fs.open(probe, "wb") as fh:
+                fh.write(b"megascale")
+            self.fs.rm(probe)
+        except Exception as e:  # noqa: BLE001 - each fsspec backend raises its own kinds
+            raise CheckpointError(f"checkpoint.path {self.display}: cannot write there "
+                                  f"({type(e).__name__}: {e})") from None
+
     def remove(self, path: str) -> None:
         try:
             self.fs.rm(path, recursive=True)
