@@ -43,8 +43,9 @@ import numpy as np
 import torch
 
 from megascale.checkpoint import CheckpointManager, RestoreInfo, rng_state, set_rng_state
+from megascale.checkpoint.manager import storage_root
 from megascale.checkpoint.rundir import RunDirLock, archive_previous_run
-from megascale.checkpoint.storage import CheckpointError
+from megascale.checkpoint.storage import CheckpointError, Storage
 from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import build_tokenizer, ensure_dataset, open_splits
 from megascale.data.shared_loader import build_loader
@@ -57,7 +58,7 @@ from megascale.distributed.init import (
 )
 from megascale.errors import HostCheckError, PeerHostEvicted, UserError
 from megascale.fault import blocklist
-from megascale.fault.inject import delays, fires_once, host_id, inject
+from megascale.fault.inject import attempt, delays, fires_once, host_id, inject
 from megascale.fault.selfcheck import host_selfcheck, under_launcher
 from megascale.model import GPT
 from megascale.observe import timers
@@ -138,6 +139,8 @@ class Trainer:
                 )
             if self._lock is not None:  # one job per run directory, from here to the end of fit
                 self._lock.acquire()
+                # storage no checkpoint can be written to: refused now, not at the first save hours in
+                Storage(storage_root(cfg, self.run_dir)).check_writable()
             init = self._initial_weights()
 
         # --- build: the same seed gives the same initial weights in every run and layout
@@ -167,6 +170,7 @@ class Trainer:
             self.checkpoints = CheckpointManager(cfg, self.run_dir, self.mesh, self.dist.rank,
                                                  self.world_size, layout_of(cfg), self._warn)
             self.restored: RestoreInfo | None = None
+            self._restarted_fresh = False  # a launcher's restart that found no state: from step 0 again
             with agree_on_user_errors(self.dist):
                 self._resume(resume)
         # after the resume: a fresh start has archived an earlier run's traces by now
@@ -251,6 +255,9 @@ class Trainer:
             if resume is True:
                 raise UserError(f"--resume: no checkpoint in {self.checkpoints.storage.display}")
             self.checkpoints.fresh_start()
+            if attempt() > 0:  # a restart before the job's first snapshot: the run directory's files are
+                self._restarted_fresh = True  # this job's own (the driver's hang diagnosis among them)
+                return
             if self.is_main:
                 moved = archive_previous_run(self.run_dir, self.checkpoints.storage,
                                              self.checkpoints.default_storage)
@@ -366,7 +373,7 @@ class Trainer:
         if self.is_main:  # one writer per run directory: global rank 0
             _write_atomic(self.run_dir / "config.toml", cfg.to_toml())
             logger = MetricsLogger(self.run_dir, cfg.log.jsonl, cfg.log.tensorboard,
-                                   resume_step=self.step if self.step > 0 else None)
+                                   resume_step=self.step if self.step > 0 or self._restarted_fresh else None)
         else:
             logger = _NoLogger()
         start_step = self.step

@@ -71,6 +71,11 @@ class TrainState(Protocol):
     def broadcast_weights(self) -> None: ...  # dp replica 0's weights to the other replicas
 
 
+def storage_root(cfg: Config, run_dir: Path) -> str | Path:
+    """Where the run's checkpoints live: checkpoint.path, else RUN_DIR/checkpoints."""
+    return cfg.checkpoint.path or run_dir.resolve() / "checkpoints"
+
+
 @dataclass
 class RestoreInfo:
     step: int
@@ -103,9 +108,7 @@ class CheckpointManager:
         self.cfg, self.mesh, self.rank, self.world = cfg, mesh, rank, world
         self.layout, self.log = layout, log
         self.default_storage = not c.path
-        self.storage = Storage(c.path or run_dir.resolve() / "checkpoints")
-        if rank == 0:
-            self.storage.check_writable()
+        self.storage = Storage(storage_root(cfg, run_dir))
         # stage 2's collectives run in a background thread: a gloo group of their own keeps them
         # apart from training's (NCCL or gloo) collectives, whatever order the two threads go in
         self.group = dist.new_group(backend="gloo") if world > 1 else None
