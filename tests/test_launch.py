@@ -99,6 +99,18 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     _same_as_reference(run, reference)
 
 
+def test_a_hang_before_the_first_snapshot_restarts_from_scratch_in_the_same_files(tmp_path, data, reference):
+    # nothing to resume: the restart trains from step 0 again, but it is the same job, whose files stay
+    # where they are (a fresh start of a new job archives an earlier run's, the driver's diagnosis with them)
+    run = tmp_path / "run"
+    r, _ = launch(run, data, "hang@step:1:rank=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "restarting the job (restart 1 of 3)" in r.stderr and "restart 2 of" not in r.stderr
+    assert not (run / "archive").exists()
+    assert "culprit: 1" in (run / "trace" / "hang" / "driver_diagnosis.txt").read_text()
+    _same_as_reference(run, reference)
+
+
 def test_a_failed_worker_has_a_stuck_one_killed_not_waited_for(tmp_path, data, reference):
     # rank 1 dies while rank 0 is stuck (deaf to the SIGTERM elastic would send, then wait 30 s for)
     run = tmp_path / "run"
