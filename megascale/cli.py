@@ -75,9 +75,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
             val = result["val_loss"]
             val_text = (f"val loss {val:.4f} (ppl {math.exp(val):.2f})" if math.isfinite(val)
                         else "no validation")
-            print(f"done: {result['steps']} steps, train loss {result['train_loss']:.4f}, {val_text}, "
-                  f"{result['tokens_per_s']:,.0f} tok/s (median), MFU {100 * result['mfu']:.1f}%, "
-                  f"{result['seconds']:.0f}s")
+            if result["steps_run"] == 0 and not result["interrupted"]:  # the same command once more
+                print(f"done: the run is at step {result['steps']} of train.steps={cfg.train.steps}; "
+                      "nothing to train (raise train.steps to train on)")
+            else:
+                print(f"done: {result['steps']} steps, train loss {result['train_loss']:.4f}, {val_text}, "
+                      f"{result['tokens_per_s']:,.0f} tok/s (median), MFU {100 * result['mfu']:.1f}%, "
+                      f"{result['seconds']:.0f}s")
         if result["interrupted"]:
             return 128 + result["stop_signal"]  # the shell convention for "stopped by a signal"
         if cfg.log.sample_tokens:

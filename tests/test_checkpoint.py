@@ -226,6 +226,7 @@ def test_a_final_state_storage_lacks_fails_the_run_and_a_rerun_writes_it(corpus,
     r = cli(corpus, run_dir)
     assert r.returncode == 0, r.stderr
     assert "resumed from memory at step 8" in r.stdout, r.stdout
+    assert "done: the run is at step 8 of train.steps=8; nothing to train" in r.stdout, r.stdout
     assert [s for s, _ in storage.committed()] == [6, 8] and not memory_files(run_dir)
     assert same(final_weights(run_dir), reference)
 

@@ -430,6 +430,13 @@ def test_timeline_of_a_run_without_traces_is_one_error(tmp_path):
     assert r.returncode == 2 and "no trace files" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("steps, problem", [("5", "is not A:B"), ("5:2", "selects no step")])
+def test_timeline_steps_that_select_nothing_are_one_error(tmp_path, steps, problem):
+    r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(tmp_path), "--steps", steps],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and problem in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_report_of_a_real_run(job3d):
     r = subprocess.run([sys.executable, "-m", "megascale", "report", str(job3d)], capture_output=True,
                        text=True, cwd=ROOT, timeout=120)

@@ -33,6 +33,8 @@ def _cmd_timeline(args: argparse.Namespace) -> int:
             lo, hi = (int(v) for v in args.steps.split(":"))
         except ValueError:
             raise UserError(f"--steps: {args.steps!r} is not A:B") from None
+        if not 0 <= lo <= hi:
+            raise UserError(f"--steps: {args.steps!r} selects no step (A:B with 0 <= A <= B)")
         steps = (lo, hi)
     if not Path(args.run_dir).is_dir():
         raise UserError(f"{args.run_dir}: not a directory")
