@@ -188,3 +188,15 @@ def test_the_cli_ends_every_thread_of_the_run_before_it_returns(corpus, tmp_path
     # (tqdm's monitor thread is pure Python, shared by every bar of the process, and harmless)
     left = [t.name for t in set(threading.enumerate()) - before if t.is_alive() and t.name != "tqdm_monitor"]
     assert not left, left
+
+
+def test_compile_trains_as_eager_does(corpus, tmp_path):
+    """train.compile = true: the model's forward runs as a torch.compile'd graph and trains as eager does
+    (float32; the fused kernels round differently). Dropout off: under compile its masks are inductor's
+    draws, seeded as eager's are (the same at every run and resume) but not the same bits."""
+    run = ["model.dropout=0", "model.n_layers=1", "train.steps=2", "train.eval_interval=0"]
+    eager = Trainer(tiny(corpus, tmp_path / "eager", *run), quiet=True).fit()
+    compiled = Trainer(tiny(corpus, tmp_path / "compiled", *run, "train.compile=true"), quiet=True)
+    assert isinstance(compiled.engine.forward, torch._dynamo.eval_frame.OptimizedModule)
+    losses = compiled.fit()["losses"]
+    assert losses == pytest.approx(eager["losses"], rel=1e-5) and losses[0] != losses[1]
