@@ -223,6 +223,7 @@ def test_a_final_state_storage_lacks_fails_the_run_and_a_rerun_writes_it(corpus,
     assert "run the same command again" in last, last
     storage = Storage(run_dir / "checkpoints")
     assert [s for s, _ in storage.committed()] == [3, 6] and memory_files(run_dir)
+    assert not storage.partial()  # the failed persist's files are removed: they would only take room
     r = cli(corpus, run_dir)
     assert r.returncode == 0, r.stderr
     assert "resumed from memory at step 8" in r.stdout, r.stdout

@@ -419,6 +419,16 @@ def test_timers_off_writes_no_trace(tmp_path, data):
     assert not (run / "trace").exists()
 
 
+def test_timeline_steps_keeps_those_steps_only(job3d):
+    out = job3d / "tl_steps.json"
+    r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(job3d), "-o", str(out),
+                        "--steps", "3:5"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    spans = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["step"] for e in spans if e["name"] == "forward"} == {3, 4, 5}
+    assert all(3 <= e["args"]["step"] <= 5 for e in spans)
+
+
 def test_build_timeline_rejects_an_unknown_grouping(job3d):
     with pytest.raises(ValueError, match="group-by"):
         build_timeline(read_run(job3d), "host")

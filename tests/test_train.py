@@ -86,9 +86,11 @@ def _cli(args, **kw):
                           cwd=ROOT, **kw)
 
 
-def test_sigterm_saves_and_resumes(corpus, tmp_path):
-    """SIGTERM mid-run: the step in flight finishes, a checkpoint is written, exit 143; the
-    same command then finishes the run with the losses of an uninterrupted one."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stop_signal_saves_and_resumes(corpus, tmp_path, sig):
+    """SIGTERM (a scheduler) or SIGINT (Ctrl-C) mid-run: the step in flight finishes, a checkpoint is
+    written, exit 143 / 130; the same command then finishes the run with the losses of an uninterrupted
+    one."""
     # A constant schedule: the resumed command shortens train.steps, which must not change the lr.
     cfg = tiny(corpus, tmp_path / "sig", "train.steps=400", "optim.schedule=constant")
     (tmp_path / "c.toml").write_text(cfg.to_toml())
@@ -100,10 +102,10 @@ def test_sigterm_saves_and_resumes(corpus, tmp_path):
     while time.time() < deadline and (not metrics.exists()
                                       or metrics.read_text().count('"kind": "train"') < 3):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "Traceback" not in err
+    assert proc.returncode == 128 + sig, err
+    assert "Traceback" not in err and f"stopped by {sig.name} after step" in out, (out, err)
     saved = list_checkpoints(tmp_path / "sig")
     assert len(saved) == 1 and 3 <= saved[0][0] < 400
     k = saved[0][0]
@@ -114,6 +116,67 @@ def test_sigterm_saves_and_resumes(corpus, tmp_path):
                         quiet=True).fit(max_steps=k + 2)
     got = [json.loads(x)["loss"] for x in metrics.read_text().splitlines() if '"train"' in x]
     assert got == reference["losses"]
+
+
+def test_a_second_ctrl_c_stops_at_once(corpus, tmp_path):
+    """Ctrl-C twice: the user means it: no waiting for the step and the save, exit 130, one line; the
+    run directory is left fit for the same command to start again."""
+    (tmp_path / "c.toml").write_text(tiny(corpus, tmp_path / "int", "train.steps=400").to_toml())
+    cmd = [sys.executable, "-m", "megascale", "train", "--config", str(tmp_path / "c.toml")]
+    # every forward takes a second (as a big model's would): both signals land inside a step, whatever
+    # this machine's load, and the first alone would have it finish that step and save
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MEGASCALE_INJECT": "delay@forward:1"})
+    metrics = tmp_path / "int" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or '"kind": "train"' not in metrics.read_text()):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)  # two signals sent at once are one to the kernel
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "megascale train: interrupted" and "Traceback" not in err, err
+    assert "stopped by SIGINT" not in out and not list_checkpoints(tmp_path / "int")  # no step, no save
+    r = _cli(["train", "--config", str(tmp_path / "c.toml"), "train.steps=2"])
+    assert r.returncode == 0 and "done: 2 steps" in r.stdout, r.stderr
+
+
+def test_torchrun_runs_the_same_job_as_nproc(corpus, tmp_path):
+    """`torchrun --nproc-per-node 2 -m megascale train` and `megascale train --nproc 2` (pp2): the same
+    losses, and rank 0 of each prints the same sample, from the model gathered off both stages."""
+    samples = []
+    for name, launcher in [("nproc", [sys.executable, "-m", "megascale", "train", "--nproc", "2"]),
+                           ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                         "--nproc-per-node", "2", "-m", "megascale", "train"])]:
+        cfg = tiny(corpus, tmp_path / name, "parallel.pp=2", "train.steps=2", "train.eval_interval=0",
+                   "model.dropout=0", "log.sample_tokens=12", "log.sample_prompt=HAMLET:")
+        (tmp_path / f"{name}.toml").write_text(cfg.to_toml())
+        r = subprocess.run([*launcher, "--config", str(tmp_path / f"{name}.toml")], capture_output=True,
+                           text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.count("--- sample (12 tokens from 'HAMLET:') ---\nHAMLET:") == 1, r.stdout
+        samples.append(r.stdout.split("--- sample")[1])
+    losses = [[json.loads(x)["loss"] for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()
+               if '"train"' in x] for n in ("nproc", "torchrun")]
+    assert len(losses[0]) == 2 and losses[0] == losses[1]
+    assert samples[0] == samples[1]
+
+
+def test_resume_flags(corpus, tmp_path):
+    """--resume insists on a checkpoint (one line, exit 2, when there is none); --no-resume starts fresh
+    beside one, the earlier run archived."""
+    (tmp_path / "c.toml").write_text(tiny(corpus, tmp_path / "run", "train.steps=2").to_toml())
+    train = ["train", "--config", str(tmp_path / "c.toml")]
+    r = _cli([*train, "--resume"])
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"megascale train: error: --resume: no checkpoint in {tmp_path / 'run' / 'checkpoints'}"), r.stderr
+    assert _cli(train).returncode == 0
+    r = _cli([*train, "--resume", "train.steps=3"])
+    assert r.returncode == 0 and "resumed from storage at step 2" in r.stdout, r.stdout + r.stderr
+    r = _cli([*train, "--no-resume"])
+    assert r.returncode == 0 and "fresh start" in r.stdout and "done: 2 steps" in r.stdout, r.stdout
+    assert len(list((tmp_path / "run" / "archive").iterdir())) == 1
 
 
 def test_bad_inputs_are_one_line_exit_2(corpus, tmp_path):
@@ -167,6 +230,7 @@ def test_train_without_config_trains_the_cpu_default(tmp_path):
     assert "done: 2 steps" in r.stdout
     config = (tmp_path / "run" / "config.toml").read_text()
     assert "seq_len = 128" in config and "lr = 0.002" in config  # configs/cpu_default.toml's values
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))  # log.tensorboard's default
 
 
 def test_the_cli_ends_every_thread_of_the_run_before_it_returns(corpus, tmp_path):
@@ -192,11 +256,19 @@ def test_the_cli_ends_every_thread_of_the_run_before_it_returns(corpus, tmp_path
 
 def test_compile_trains_as_eager_does(corpus, tmp_path):
     """train.compile = true: the model's forward runs as a torch.compile'd graph and trains as eager does
-    (float32; the fused kernels round differently). Dropout off: under compile its masks are inductor's
-    draws, seeded as eager's are (the same at every run and resume) but not the same bits."""
+    (float32; the fused kernels round differently). With dropout the masks are inductor's draws, seeded
+    as eager's are (the same at every run and resume) but not the same bits: that run is compared with
+    itself resumed."""
     run = ["model.dropout=0", "model.n_layers=1", "train.steps=2", "train.eval_interval=0"]
     eager = Trainer(tiny(corpus, tmp_path / "eager", *run), quiet=True).fit()
     compiled = Trainer(tiny(corpus, tmp_path / "compiled", *run, "train.compile=true"), quiet=True)
     assert isinstance(compiled.engine.forward, torch._dynamo.eval_frame.OptimizedModule)
     losses = compiled.fit()["losses"]
     assert losses == pytest.approx(eager["losses"], rel=1e-5) and losses[0] != losses[1]
+    # dropout on: the compiled masks are seeded by step and site too, so a compiled run resumes exactly
+    drop = ["model.dropout=0.1", "model.n_layers=1", "train.steps=2", "train.eval_interval=0",
+            "train.compile=true"]
+    full = Trainer(tiny(corpus, tmp_path / "full", *drop), quiet=True).fit()["losses"]
+    first = Trainer(tiny(corpus, tmp_path / "split", *drop), quiet=True).fit(max_steps=1)["losses"]
+    second = Trainer(tiny(corpus, tmp_path / "split", *drop), quiet=True).fit()["losses"]
+    assert first + second == full
