@@ -109,3 +109,24 @@ def test_a_rank_that_skips_a_collective_is_named(tmp_path, data):
     assert js["culprits"] == [2], text
     assert "skipped or never reached world all_reduce" in text, text
     assert 0 < detected <= HANG_TIMEOUT_S + 10, detected
+
+
+def test_by_default_a_hang_ends_the_job_and_a_rank_besides_0_says_who(tmp_path, data):
+    """observe.hang_action's default ("abort"): the live ranks dump, diagnose and exit 3, so a launcher
+    restarts the job. Rank 0 is the frozen one here: rank 1 diagnoses, and it is heard on stderr (only
+    rank 0's lines reached it before)."""
+    run_dir = tmp_path / "abort"
+    args = [sys.executable, "-m", "megascale", "train", "--nproc", "2", "model.n_layers=2",
+            "model.d_model=32", "model.n_heads=2", "model.seq_len=16", "train.global_batch=4",
+            "train.micro_batch=2", "train.steps=50", "train.eval_interval=0", "log.progress=false",
+            "log.tensorboard=false", "log.sample_tokens=0", "checkpoint.interval=0", "parallel.dp=2",
+            "observe.hang_timeout_s=5", f"train.run_dir={run_dir}", *data]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGASCALE_INJECT": "stop@step:3:rank=0"}
+    try:
+        r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        _kill_workers_of(run_dir)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "megascale: rank 1: no progress for" in r.stderr and "\nculprit: 0\n" in r.stderr, r.stderr[-3000:]
+    assert 'megascale: rank 1: aborting (observe.hang_action = "abort")' in r.stderr, r.stderr[-3000:]
+    assert "culprit: 0" in (run_dir / "trace" / "hang" / "diagnosis.txt").read_text()

@@ -419,6 +419,23 @@ def test_timers_off_writes_no_trace(tmp_path, data):
     assert not (run / "trace").exists()
 
 
+def test_the_train_records_count_the_whole_job(job3d):
+    """tokens/s is the job's (every replica's tokens), MFU divides by all 8 devices' peak, per step."""
+    recs = [json.loads(line) for line in (job3d / "metrics.jsonl").read_text().splitlines()]
+    peak = next(r for r in recs if r["kind"] == "peak")
+    assert peak["devices"] == 8 and peak["peak_flops"] == 1e9 and peak["source"]
+    train = [r for r in recs if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 9))
+    tokens = 8 * 16  # train.global_batch x model.seq_len
+    for r in train:
+        assert r["tokens"] == r["step"] * tokens
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["step_time"])
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * peak["flops_per_token"] / (8 * 1e9))
+        assert r["mfu_published"] == pytest.approx(
+            r["tokens_per_s"] * peak["flops_per_token_published"] / (8 * 1e9))
+        assert r["lr"] > 0 and r["grad_norm"] > 0 and 0 < r["bubble"] < 1
+
+
 def test_timeline_steps_keeps_those_steps_only(job3d):
     out = job3d / "tl_steps.json"
     r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(job3d), "-o", str(out),

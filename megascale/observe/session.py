@@ -96,9 +96,11 @@ class Observer:
         with more than one rank: a hang needs two."""
         if self.recorder is None or not self.multi or self.watchdog is not None:
             return
+        # its lines go to stderr from every rank (not through self.log, rank 0's alone): when rank 0 is
+        # the one stopped, another rank diagnoses the hang and must be heard
         self.watchdog = Watchdog(self.recorder.inflight, self._hang_dir, self.mesh.rank,
                                  self.ob.hang_timeout_s, self.ob.hang_action,
-                                 on_hang=lambda _path: self.recorder.flush(), log=self.log).start()
+                                 on_hang=lambda _path: self.recorder.flush()).start()
 
     def unwatch(self) -> None:
         if self.watchdog is not None:
