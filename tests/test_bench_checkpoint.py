@@ -30,8 +30,14 @@ def test_quick_prints_every_row_with_numbers(tmp_path):
         assert re.search(rf"^\s*{re.escape(label)}\s+{NUM}x?\s*$", out, re.M), f"no row {label!r}:\n{out}"
     # the step during a persist and the slowdown are numbers, or say that the persist was shorter
     assert re.search(rf"^slowdown in persist \(goal <10%\)\s+({NUM}%|persist < step)\s*$", out, re.M), out
+    read = {}
     for flag in ("true", "false"):  # the dp=2 rows: five figures in MB, then seconds
-        assert re.search(rf"^{flag}(\s+{NUM}){{6}}\s*$", out, re.M), f"dp row {flag!r} missing:\n{out}"
+        row = re.search(rf"^{flag}((\s+{NUM}){{6}})\s*$", out, re.M)
+        assert row, f"dp row {flag!r} missing:\n{out}"
+        read[flag] = [float(x) for x in row.group(1).split()[:2]]  # MB read by rank 0, rank 1
+    # bytes, not time: with broadcast_restore the second dp replica reads its optimizer shard only (the
+    # weights come from replica 0), without it the weights too
+    assert read["true"][1] < read["false"][1] and read["true"][0] == read["false"][0], read
     assert re.search(rf"every rank / one reader per dp group: {NUM}x", out), out
 
 

@@ -154,3 +154,18 @@ def test_a_host_that_fails_its_self_check_is_not_restarted(tmp_path, data):
     assert r.returncode == 4, r.stderr[-3000:]
     assert "self-check failed: memory: injected" in r.stderr, r.stderr[-3000:]
     assert "not restarting on it" in r.stderr and "restarting the job" not in r.stderr
+
+
+def test_the_default_hang_timeout_follows_the_step_time():
+    """fault.hang_timeout_s = 0 (the default): no new step for max(60 s, 20 x the median step) is a hang;
+    60 s before the job has timed a step."""
+    from megascale.config import FaultConfig
+    from megascale.fault.driver import make_agent_class
+
+    agent = object.__new__(make_agent_class())  # only the timeout's inputs: no workers, no rendezvous
+    agent.fault, agent._intervals = FaultConfig(), []
+    assert agent._hang_timeout() == 60.0
+    agent._intervals = [1.0, 5.0, 6.0]  # seconds a step, as the beats showed
+    assert agent._hang_timeout() == 100.0
+    agent.fault = FaultConfig(hang_timeout_s=7.0)
+    assert agent._hang_timeout() == 7.0
