@@ -11,8 +11,6 @@ from megascale.config import load_config, validate_layout
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
-
 def test_one_combination_trains_as_one_process_and_as_its_layout():
     out = run_benchmark("benchmarks/parity_soak.py", "--combos", "1", "--world", "2", "--steps", "2")
     assert re.search(r"^\[0\] world 2, \d+ s, equal: loss rel [\d.e+-]+ \(tolerance", out, re.M), out

@@ -99,15 +99,16 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     _same_as_reference(run, reference)
 
 
-def test_a_hang_before_the_first_snapshot_restarts_from_scratch_in_the_same_files(tmp_path, data, reference):
+def test_a_fault_before_the_first_snapshot_restarts_from_scratch_in_the_same_files(tmp_path, data, reference):
     # nothing to resume: the restart trains from step 0 again, but it is the same job, whose files stay
-    # where they are (a fresh start of a new job archives an earlier run's, the driver's diagnosis with them)
+    # where they are (a fresh start of a new job archives an earlier run's: a hang's diagnosis went with them)
     run = tmp_path / "run"
-    r, _ = launch(run, data, "hang@step:1:rank=1")
+    r, _ = launch(run, data, "kill@step:1:rank=1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "restarting the job (restart 1 of 3)" in r.stderr and "restart 2 of" not in r.stderr
     assert not (run / "archive").exists()
-    assert "culprit: 1" in (run / "trace" / "hang" / "driver_diagnosis.txt").read_text()
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines if '"startup"' in x] == [0, 0]  # both attempts', one file
     _same_as_reference(run, reference)
 
 
