@@ -80,6 +80,13 @@ def draw(rng: random.Random, world: int) -> tuple[str, list[str], list[str]]:
     return dtype, model, layout
 
 
+def last_error(stderr: str) -> str:
+    """A failed run's own error line (the exception's, not the launcher's summary after it)."""
+    lines = stderr.splitlines()
+    return ([ln for ln in lines if re.search(r"\w(Error|Exception): ", ln)] or
+            [ln for ln in lines if "error: " in ln] or lines or ["(no output)"])[-1].strip()[:300]
+
+
 def train(overrides: list[str], nproc: int, run_dir: Path, timeout: float) -> tuple[list[float] | None, str]:
     """The training and validation losses of `megascale train` (None and its last error line if it
     failed; "refused: ..." for a config the CLI rejects, exit 2)."""
@@ -93,10 +100,7 @@ def train(overrides: list[str], nproc: int, run_dir: Path, timeout: float) -> tu
     except subprocess.TimeoutExpired:
         return None, f"no end after {timeout:.0f} s"
     if r.returncode != 0:
-        lines = r.stderr.splitlines()  # the exception's own line, not the launcher's summary after it
-        last = ([ln for ln in lines if re.search(r"\w(Error|Exception): ", ln)] or
-                [ln for ln in lines if "error: " in ln] or lines or ["(no output)"])[-1].strip()
-        return None, ("refused: " if r.returncode == 2 else f"exit {r.returncode}: ") + last[:300]
+        return None, ("refused: " if r.returncode == 2 else f"exit {r.returncode}: ") + last_error(r.stderr)
     return [x["loss"] for x in read_metrics(run_dir / "metrics.jsonl") if x["kind"] in ("train", "val")], ""
 
 

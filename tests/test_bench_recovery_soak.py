@@ -28,4 +28,5 @@ def test_every_drawn_fault_names_a_rank_and_a_step_of_the_job():
             assert 0 <= f.rank < world and 0 <= f.value < soak.STEPS, fault
             seen.add((f.action, f.point, f.attempt))
     assert seen == {("kill", "step", None), ("stop", "step", None), ("hang", "step", None),
-                    ("skip", "agree", None), ("kill", "persist", None), ("kill", "step", 1)}
+                    ("skip", "agree", None), ("kill", "persist", None), ("kill", "step", 1),
+                    ("kill", "committed", None)}
