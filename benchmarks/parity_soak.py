@@ -87,6 +87,22 @@ def last_error(stderr: str) -> str:
             [ln for ln in lines if "error: " in ln] or lines or ["(no output)"])[-1].strip()[:300]
 
 
+class Tally:
+    """A soak's verdicts: each draw's line as it comes (the overrides that reproduce it), then the summary
+    and the exit status (1 if any draw differed or failed; a refused layout is counted, not failed)."""
+
+    def __init__(self, name: str):
+        self.name, self.counts = name, {"equal": 0, "differ": 0, "failed": 0, "refused": 0}
+
+    def add(self, head: str, kind: str, verdict: str, model: list[str], layout: list[str]) -> None:
+        self.counts[kind] += 1
+        print(f"{head}, {verdict}\n    {' '.join(model)}\n    {' '.join(layout)}", flush=True)
+
+    def end(self) -> int:
+        print(f"{self.name}: " + ", ".join(f"{n} {k}" for k, n in self.counts.items()))
+        return 1 if self.counts["differ"] or self.counts["failed"] else 0
+
+
 def train(overrides: list[str], nproc: int, run_dir: Path, timeout: float) -> tuple[list[float] | None, str]:
     """The training and validation losses of `megascale train` (None and its last error line if it
     failed; "refused: ..." for a config the CLI rejects, exit 2)."""
@@ -117,7 +133,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     base = [*SMALL, f"train.steps={args.steps}", f"train.eval_interval={max(1, args.steps // 2)}"]
     out = args.keep or Path(tempfile.mkdtemp(prefix="parity_soak_"))
-    counts = {"equal": 0, "differ": 0, "failed": 0, "refused": 0}
+    tally = Tally("parity soak")
     print(f"{args.combos} combinations (seed {args.seed}), {args.steps} steps each, worlds {args.world}; "
           f"common overrides: {' '.join(base)}", flush=True)
     try:
@@ -136,14 +152,11 @@ def main() -> int:
                 rel = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
                 kind = "equal" if rel < TOL[dtype] else "differ"
                 verdict = f"{kind}: loss rel {rel:.1e} (tolerance {TOL[dtype]:.0e})"
-            counts[kind] += 1
-            print(f"[{i}] world {world}, {time.perf_counter() - t0:.0f} s, {verdict}\n    "
-                  f"{' '.join(model)}\n    {' '.join(layout)}", flush=True)
+            tally.add(f"[{i}] world {world}, {time.perf_counter() - t0:.0f} s", kind, verdict, model, layout)
     finally:
         if args.keep is None:
             shutil.rmtree(out, ignore_errors=True)
-    print("parity soak: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
-    return 1 if counts["differ"] or counts["failed"] else 0
+    return tally.end()
 
 
 if __name__ == "__main__":

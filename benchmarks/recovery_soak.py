@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from parity_soak import LAYOUTS, SMALL, TOL, draw, flag, last_error  # noqa: E402
+from parity_soak import LAYOUTS, SMALL, TOL, Tally, draw, flag, last_error  # noqa: E402
 
 from megascale.checkpoint.model_state import read_model_state  # noqa: E402
 from megascale.observe.metrics import read_metrics  # noqa: E402
@@ -200,7 +200,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     base = [*SMALL, *JOB]
     out = args.keep or Path(tempfile.mkdtemp(prefix="recovery_soak_"))
-    counts = {"equal": 0, "differ": 0, "failed": 0, "refused": 0}
+    tally = Tally("recovery soak")
     print(f"{args.combos} faults (seed {args.seed}) in {STEPS}-step jobs under megascale launch, worlds "
           f"{args.world}; common overrides: {' '.join(base)}", flush=True)
     try:
@@ -223,14 +223,12 @@ def main() -> int:
                                           out / f"{i}-fault", reference, args.timeout)
             else:
                 kind, verdict = recovered(job, world, fault, out / f"{i}-fault", reference, args.timeout)
-            counts[kind] += 1
-            print(f"[{i}] world {world}, {fault.spec}, {time.perf_counter() - t0:.0f} s, {verdict}\n    "
-                  f"{' '.join(model)}\n    {' '.join(layout)}", flush=True)
+            tally.add(f"[{i}] world {world}, {fault.spec}, {time.perf_counter() - t0:.0f} s", kind, verdict,
+                      model, layout)
     finally:
         if args.keep is None:
             shutil.rmtree(out, ignore_errors=True)
-    print("recovery soak: " + ", ".join(f"{n} {k}" for k, n in counts.items()))
-    return 1 if counts["differ"] or counts["failed"] else 0
+    return tally.end()
 
 
 if __name__ == "__main__":
