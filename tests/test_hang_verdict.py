@@ -101,3 +101,29 @@ def test_records_of_a_larger_earlier_layout_are_not_this_job(tmp_path):
 def test_no_records_no_verdict(tmp_path):
     v = judge_hang(tmp_path, world=4)
     assert v.evict is None and "observe.timers" in v.text
+
+
+def test_the_driver_evicts_the_culprits_host_unless_told_to_keep_it(tmp_path, monkeypatch):
+    """The agent's own step after a hang (fault/driver.py `_judge_hang`) on a clear verdict against host B:
+    by default B goes on the run's blocklist (its restart then refuses to run); with
+    `fault.evict_hung_hosts = false` the blocklist stays empty, so B restarts with the job (README)."""
+    from types import SimpleNamespace
+
+    from megascale.config import FaultConfig
+    from megascale.fault import blocklist
+    from megascale.fault.driver import make_agent_class
+
+    monkeypatch.setitem(globals(), "NOW", time.time_ns())  # the agent judges at the real time
+    judge = make_agent_class()._judge_hang
+    group = SimpleNamespace(workers=[SimpleNamespace(world_size=4)],
+                            spec=SimpleNamespace(rdzv_handler=SimpleNamespace(get_run_id=lambda: "job")))
+    for evict, said in ((False, "(fault.evict_hung_hosts = false: host B stays)"),
+                        (True, "; evicting host B")):
+        run = tmp_path / str(evict)
+        wait_in_world(job(run), [0, 1, 2])  # rank 3 (host B) computes for good
+        agent = SimpleNamespace(run_dir=str(run), multi_host=True,
+                                fault=FaultConfig(evict_hung_hosts=evict))
+        text = judge(agent, group)
+        assert text.startswith("diagnosis: rank 3 ") and text.endswith(said), text
+        assert (blocklist.entry(run, "B") is not None) == evict
+        assert blocklist.entry(run, "A") is None
