@@ -223,6 +223,9 @@ class ObserveConfig:
     timers: bool = True  # always-on per-op timers into RUN_DIR/trace (megascale timeline, report, stragglers)
     flush_interval_s: float = 1.0  # how often the trace writer thread drains the ring buffer
     buffer_records: int = 65536  # the ring buffer's size; the oldest records go if the writer falls behind
+    # each rank's trace file at most this size (MB): past half of it, the file becomes rank_NNNNN.jsonl.1
+    # (the one before goes) and a new one starts, so a long run keeps its newest records. 0: unbounded
+    trace_max_mb: float = 1024.0
     clock_sync_interval: int = 100  # steps between re-checks of the ranks' clock offsets (0: at start only)
     straggler_window: int = 10  # steps per straggler window (0: no online straggler detection)
     straggler_threshold: float = 0.1  # a rank this much slower than the median of its peers is a straggler
@@ -509,6 +512,7 @@ def validate(cfg: Config) -> None:
     ob = cfg.observe
     _positive("observe.flush_interval_s", ob.flush_interval_s)
     _positive("observe.buffer_records", ob.buffer_records)
+    _positive("observe.trace_max_mb", ob.trace_max_mb, allow_zero=True)
     for name in ("clock_sync_interval", "straggler_window", "flight_recorder"):
         _positive(f"observe.{name}", getattr(ob, name), allow_zero=True)
     _positive("observe.straggler_threshold", ob.straggler_threshold)

@@ -160,6 +160,52 @@ def test_a_full_buffer_drops_the_oldest_and_says_so(tmp_path):
     assert len(t.events) == 10 and t.dropped == 15
 
 
+def test_a_bounded_trace_keeps_its_newest_records_in_two_files_that_read_on_their_own(tmp_path):
+    """observe.trace_max_mb: past half the bound the file becomes `.1` (the one before goes), the new one
+    starts with the header, the notes and the latest clock; the reader joins both, and events in the new
+    file are still moved by the clock offset measured before it began."""
+    bound = 8192
+    rec = _recorder(tmp_path, rank=1, max_bytes=bound)
+    try:
+        rec.note(hosts=["h0", "h1"])
+        rec.clock(offset_ns=5_000_000, err_ns=10)
+        for step in range(400):  # ~80 bytes a record: several rotations
+            rec.set_step(step)
+            t = rec.now()
+            rec.record("forward", "compute", t, t + 1000)
+            rec.flush()
+    finally:
+        rec.close()
+    older = rec.path.with_name(rec.path.name + ".1")
+    assert sorted(p.name for p in rec.path.parent.glob("rank_*")) == [rec.path.name, older.name]
+    assert rec.path.stat().st_size + older.stat().st_size <= bound + 200  # (plus one flush past half)
+    for f in (older, rec.path):  # each file alone: the header, the note, the clock
+        alone = tmp_path / "alone" / "rank_00001.jsonl"
+        alone.parent.mkdir(exist_ok=True)
+        alone.write_text(f.read_text())
+        t = read_rank(alone)
+        assert t.rank == 1 and t.notes == [{"type": "note", "hosts": ["h0", "h1"]}]
+        assert t.clocks[0]["offset_ns"] == 5_000_000 and t.events
+    both = read_rank(rec.path)
+    steps = [e.step for e in both.events]
+    assert steps == list(range(steps[0], 400)) and len(steps) > 40  # the newest, none missing
+    raw = read_rank(rec.path, align=False)
+    assert all(a.t0 - b.t0 == 5_000_000 for a, b in zip(both.events, raw.events, strict=True))
+
+
+def test_an_unbounded_trace_is_one_file(tmp_path):
+    rec = _recorder(tmp_path, max_bytes=0)
+    try:
+        for _ in range(200):
+            t = rec.now()
+            rec.record("forward", "compute", t, t + 1)
+            rec.flush()
+    finally:
+        rec.close()
+    assert [p.name for p in rec.path.parent.glob("rank_*")] == [rec.path.name]
+    assert len(read_rank(rec.path).events) == 200
+
+
 def test_the_background_writer_flushes_without_being_asked(tmp_path):
     rec = _recorder(tmp_path, flush_interval_s=0.05)
     try:
@@ -331,16 +377,20 @@ SKEW_NS = 30_000_000
 @pytest.fixture(scope="module")
 def job3d(tmp_path_factory, data) -> Path:
     """dp2 x pp2 x tp2 (+ sequence parallel), rank 5's trace clock 30 ms ahead, clocks re-checked every
-    4 steps."""
+    4 steps, each rank's trace bounded at 80 KiB and written every 50 ms: its ~55 KB for 8 steps pass half
+    of that once, mid-run, so the readers below (timeline, report) read every rank from two files."""
     run = tmp_path_factory.mktemp("obs") / "run"
     _train(run, 8, ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2", "parallel.dp_bucket_size=3000",
-                    "parallel.sequence_parallel=true",
+                    "parallel.sequence_parallel=true", "observe.trace_max_mb=0.078125",
+                    "observe.flush_interval_s=0.05",
                     "train.steps=8", "observe.clock_sync_interval=4", "observe.straggler_window=4"],
            env={"MEGASCALE_INJECT": f"skew@clock:{SKEW_NS}:rank=5"}, data=data)
     return run
 
 
 def test_timeline_holds_every_rank_and_op_kind(job3d):
+    assert len(list((job3d / "trace").glob("rank_*.jsonl.1"))) == 8  # every rank's trace in two files ...
+    assert all(f.stat().st_size > 5000 for f in (job3d / "trace").glob("rank_*.jsonl"))  # ... both with steps
     out = job3d / "tl.json"
     r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(job3d), "-o", str(out),
                         "--group-by", "pp"], capture_output=True, text=True, cwd=ROOT, timeout=120)

@@ -63,7 +63,8 @@ class Observer:
         self.recorder = timers.Recorder(Path(run_dir) / "trace", mesh.rank, mesh.world_size, coords,
                                         rank_groups(mesh), device_type=device.type,
                                         capacity=self.ob.buffer_records,
-                                        flush_interval_s=self.ob.flush_interval_s, mesh_shape=shape)
+                                        flush_interval_s=self.ob.flush_interval_s, mesh_shape=shape,
+                                        max_bytes=int(self.ob.trace_max_mb * 2**20))
         timers.install(self.recorder)
         self.hosts = [host_id()]  # under megascale launch its --local-addr (simulated hosts share a name)
         self.coords = [(0, 0, 0)]

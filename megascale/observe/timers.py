@@ -28,6 +28,11 @@ On a GPU, compute spans are CUDA event pairs read lazily by the flusher once the
 completed (`Event.query()`), so the training thread never synchronises for a timer; their host
 time comes from an anchor event recorded once at start.
 
+The file is bounded (`max_bytes`, observe.trace_max_mb): once it holds half of that, it is renamed
+`rank_NNNNN.jsonl.1` (replacing the previous one) and a new file starts with the header, the notes
+and the latest clock line again, so each file reads on its own and a long run keeps its newest
+records, never less than half the bound, in at most the bound per rank.
+
 Record layout (one JSON array per line, `FIELDS` order; the header line names them):
     [op, stream, t0_ns, dur_ns, step, micro, chunk, group, seq, peer, blocked_ns, bytes, tag]
 `blocked_ns` is the part of the span the rank was waiting (the whole of a synchronous
@@ -206,7 +211,8 @@ class Recorder:
 
     def __init__(self, trace_dir: str | Path, rank: int, world: int, coords: dict[str, int],
                  groups: dict[str, list[int]], *, device_type: str = "cpu", capacity: int = 1 << 16,
-                 flush_interval_s: float = 1.0, mesh_shape: dict[str, int] | None = None):
+                 flush_interval_s: float = 1.0, mesh_shape: dict[str, int] | None = None,
+                 max_bytes: int = 0):
         self.trace_dir = Path(trace_dir)
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank, world
@@ -225,6 +231,10 @@ class Recorder:
         self.inflight = InFlight(self.trace_dir / "inflight", rank, groups, host=host_id(), coords=coords)
         self.path = self.trace_dir / f"rank_{rank:05d}.jsonl"
         self._file = open(self.path, "a")  # noqa: SIM115 - lives with the recorder
+        self._max_bytes = max_bytes  # 0: unbounded
+        self._bytes = self.path.stat().st_size  # (JSON is ASCII: characters are bytes)
+        self._carried: list[str] = []  # the lines every file begins with: the header and the notes ...
+        self._clock_line = ""  # ... and the latest clock line
         self._lock = threading.Lock()  # the file: the flusher and close() may both write
         # one flush at a time: each takes the records it counted, and the background flusher and the
         # training thread's own flush (fit's end) would otherwise pop the same records (IndexError)
@@ -234,7 +244,7 @@ class Recorder:
                   "pid": os.getpid(),
                   "fields": FIELDS, "clock": "monotonic_ns", "device": device_type,
                   "wall_ns": time.time_ns(), "mono_ns": self.now()}
-        self._write_line(header)
+        self._write_line(header, carry="always")
         self._anchor = None
         if self._gpu:
             import torch
@@ -282,17 +292,40 @@ class Recorder:
 
     def clock(self, offset_ns: int, err_ns: int) -> None:
         """A measured offset to rank 0's clock (add it to this rank's times), with its error bound."""
-        self._write_line({"type": "clock", "mono_ns": self.now(), "offset_ns": int(offset_ns),
-                          "err_ns": int(err_ns)})
+        line = {"type": "clock", "mono_ns": self.now(), "offset_ns": int(offset_ns), "err_ns": int(err_ns)}
+        self._write_line(line, carry="clock")
 
     def note(self, **fields: Any) -> None:
         """A free-form line of the trace (e.g. the hosts of every rank)."""
-        self._write_line({"type": "note", **fields})
+        self._write_line({"type": "note", **fields}, carry="always")
 
-    def _write_line(self, obj: Any) -> None:
+    def _write_line(self, obj: Any, carry: str = "") -> None:
+        """One line now; `carry` "always" (header, notes) or "clock" (until the next clock line): it also
+        begins every later file."""
+        text = json.dumps(obj, separators=(",", ":")) + "\n"
         with self._lock:
-            self._file.write(json.dumps(obj, separators=(",", ":")) + "\n")
-            self._file.flush()
+            if carry == "always":
+                self._carried.append(text)
+            elif carry == "clock":
+                self._clock_line = text
+            self._emit(text)
+
+    def _emit(self, text: str) -> None:
+        """Write and flush `text` (the caller holds the file's lock); start a new file past the bound."""
+        self._file.write(text)
+        self._file.flush()
+        self._bytes += len(text)
+        if self._max_bytes and self._bytes > self._max_bytes // 2:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        self._file.close()
+        os.replace(self.path, self.path.with_name(self.path.name + ".1"))  # the older one goes
+        self._file = open(self.path, "a")  # noqa: SIM115 - lives with the recorder
+        text = "".join(self._carried) + self._clock_line
+        self._file.write(text)
+        self._file.flush()
+        self._bytes = len(text)
 
     def flush(self) -> None:
         """Write out what is buffered (the flusher does this every interval; close() at the end)."""
@@ -312,13 +345,13 @@ class Recorder:
             lines.append(json.dumps(r, separators=(",", ":")))
         self._written += n
         dropped = self._added - self._written - len(buf)
-        with self._lock:
-            if lines:
-                self._file.write("\n".join(lines) + "\n")
-            if dropped > 0:
-                self._file.write(json.dumps({"type": "dropped", "records": dropped}) + "\n")
-                self._written += dropped
-            self._file.flush()
+        text = "\n".join(lines) + "\n" if lines else ""
+        if dropped > 0:
+            text += json.dumps({"type": "dropped", "records": dropped}) + "\n"
+            self._written += dropped
+        if text:
+            with self._lock:
+                self._emit(text)
 
     def _resolve_cuda(self) -> list[str]:
         out = []

@@ -7,7 +7,8 @@ A file is a sequence of segments, one per process that wrote it (a resumed run a
 a header line, clock lines (the measured offset to rank 0 at a moment of this rank's clock)
 and event lines. Each event is moved onto rank 0's clock by the offset interpolated between
 its segment's clock measurements (nearest one outside them), so drift between re-checks is
-corrected too. A line cut short by a crash is skipped.
+corrected too. A line cut short by a crash is skipped. A bounded trace (observe.trace_max_mb) keeps
+its older part in `rank_NNNNN.jsonl.1`, read first: each of the two files starts with the header.
 """
 
 from __future__ import annotations
@@ -64,10 +65,13 @@ def trace_dir(run_dir: str | Path) -> Path:
 
 
 def read_rank(path: str | Path, align: bool = True) -> RankTrace:
+    """One rank's trace file (`rank_NNNNN.jsonl`), with its older part (`.1`) when it has one."""
     path = Path(path)
+    older = path.with_name(path.name + ".1")
+    text = (older.read_text() + "\n" if older.exists() else "") + path.read_text()  # (a line cut short)
     segments: list[tuple[dict, list[dict], list[list]]] = []
     notes, dropped = [], 0
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
