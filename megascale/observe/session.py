@@ -79,6 +79,8 @@ class Observer:
             self.store_hosts = {h for h, _, serves in every if serves}
             self.recorder.note(hosts=self.hosts)
             self.sync_clocks()
+            if self.ob.straggler_window:
+                self.recorder.samples = {}  # kept for _straggler_window, which takes them each window
         self.stragglers = StragglerDetector(self.coords, self.hosts, self.ob.straggler_threshold,
                                             self.ob.straggler_windows)
         self._hang_dir = Path(run_dir) / "trace" / "hang"

@@ -105,7 +105,7 @@ class _Span:
         rec._buf.append((self.op, self.stream, self.t0, t1 - self.t0, rec.step, self.micro, self.chunk,
                          None, -1, -1, nested, 0, -1))
         rec._added += 1
-        if self.stream == "compute":
+        if self.stream == "compute" and rec.samples is not None:
             rec.samples.setdefault(self.op, []).append(t1 - self.t0 - nested)
         return False
 
@@ -217,8 +217,9 @@ class Recorder:
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         self.rank, self.world = rank, world
         self.step = 0
-        # compute time (ns, nested waits taken out) of every compute span since the straggler window began
-        self.samples: dict[str, list[int]] = {}
+        # compute time (ns, nested waits taken out) of every compute span since the straggler window began;
+        # None (not kept) unless a straggler detector takes them each window, else they would grow forever
+        self.samples: dict[str, list[int]] | None = None
         self.blocked_total = 0  # ns blocked in comm so far: what spans subtract for nested waits
         self.bytes_moved = 0  # payload bytes of the collectives and sends so far (the heartbeat's)
         self._buf: deque = deque(maxlen=capacity)
@@ -360,7 +361,8 @@ class Recorder:
             op, stream, ev0, ev1, step, micro, chunk = q.popleft()
             t0 = self._anchor_ns + int(self._anchor.elapsed_time(ev0) * 1e6) + self._skew
             dur = int(ev0.elapsed_time(ev1) * 1e6)
-            self.samples.setdefault(op, []).append(dur)
+            if self.samples is not None:
+                self.samples.setdefault(op, []).append(dur)
             out.append(json.dumps((op, stream, t0, dur, step, micro, chunk, None, -1, -1, 0, 0, -1),
                                   separators=(",", ":")))
         return out
