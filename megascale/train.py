@@ -371,9 +371,14 @@ class Trainer:
         if self._lock is not None and self._lock._fh is None:  # a second fit() of this Trainer
             self._lock.acquire()
         if self.is_main:  # one writer per run directory: global rank 0
-            _write_atomic(self.run_dir / "config.toml", cfg.to_toml())
+            try:
+                _write_atomic(self.run_dir / "config.toml", cfg.to_toml())
+            except OSError as e:  # a restart on a full disk: the run matters more than this copy
+                self._warn(f"cannot write {self.run_dir / 'config.toml'} ({e.strerror or e}); "
+                           "training goes on")
             logger = MetricsLogger(self.run_dir, cfg.log.jsonl, cfg.log.tensorboard,
-                                   resume_step=self.step if self.step > 0 or self._restarted_fresh else None)
+                                   resume_step=self.step if self.step > 0 or self._restarted_fresh else None,
+                                   warn=self._warn)
         else:
             logger = _NoLogger()
         start_step = self.step
@@ -639,5 +644,8 @@ def _gpu_name() -> str:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)  # (a failed write's part)

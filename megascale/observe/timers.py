@@ -52,6 +52,7 @@ from typing import Any
 
 from megascale.fault.inject import delays, host_id, skew_ns
 from megascale.observe.inflight import InFlight
+from megascale.observe.linefile import LineFile
 
 STREAMS = ("compute", "dp", "pp", "tp", "data", "checkpoint")
 FIELDS = ("op", "stream", "t0_ns", "dur_ns", "step", "micro", "chunk", "group", "seq", "peer",
@@ -231,9 +232,11 @@ class Recorder:
         # the host as the job names it (under megascale launch its --local-addr): who is evicted for a hang
         self.inflight = InFlight(self.trace_dir / "inflight", rank, groups, host=host_id(), coords=coords)
         self.path = self.trace_dir / f"rank_{rank:05d}.jsonl"
-        self._file = open(self.path, "a")  # noqa: SIM115 - lives with the recorder
+        # a disk that refuses the trace (full) costs its lines, said once, never the run (linefile.py)
+        self._file = LineFile(self.path, f"trace of rank {rank}")
         self._max_bytes = max_bytes  # 0: unbounded
-        self._bytes = self.path.stat().st_size  # (JSON is ASCII: characters are bytes)
+        # the file's size (JSON is ASCII: characters are bytes)
+        self._bytes = self.path.stat().st_size if self.path.exists() else 0
         self._carried: list[str] = []  # the lines every file begins with: the header and the notes ...
         self._clock_line = ""  # ... and the latest clock line
         self._lock = threading.Lock()  # the file: the flusher and close() may both write
@@ -313,20 +316,21 @@ class Recorder:
 
     def _emit(self, text: str) -> None:
         """Write and flush `text` (the caller holds the file's lock); start a new file past the bound."""
-        self._file.write(text)
-        self._file.flush()
-        self._bytes += len(text)
+        if self._file.write(text):
+            self._bytes += len(text)
         if self._max_bytes and self._bytes > self._max_bytes // 2:
             self._rotate()
 
     def _rotate(self) -> None:
         self._file.close()
-        os.replace(self.path, self.path.with_name(self.path.name + ".1"))  # the older one goes
-        self._file = open(self.path, "a")  # noqa: SIM115 - lives with the recorder
+        try:
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))  # the older one goes
+        except OSError:  # (the file is gone: start a new one all the same)
+            pass
+        self._bytes = 0
         text = "".join(self._carried) + self._clock_line
-        self._file.write(text)
-        self._file.flush()
-        self._bytes = len(text)
+        if self._file.write(text):
+            self._bytes = len(text)
 
     def flush(self) -> None:
         """Write out what is buffered (the flusher does this every interval; close() at the end)."""
