@@ -496,6 +496,35 @@ def test_timeline_steps_keeps_those_steps_only(job3d):
     assert all(3 <= e["args"]["step"] <= 5 for e in spans)
 
 
+def test_a_window_of_steps_reads_what_the_whole_trace_holds_of_them(job3d):
+    """Readers of a long run take a window of its steps (timeline, report), skipping the others
+    unparsed: the same events, aligned the same, as the whole trace's of those steps."""
+    from megascale.observe.trace import last_step, step_window
+
+    whole, window = read_run(job3d), read_run(job3d, steps=(3, 5))
+    assert whole.keys() == window.keys()
+    for r in whole:
+        assert window[r].events == [e for e in whole[r].events if 3 <= e.step <= 5], r
+        assert window[r].events and window[r].clocks == whole[r].clocks
+    assert last_step(job3d) == 7
+    assert step_window(job3d, None, 3) == (5, 7) and step_window(job3d, None, 50) == (0, 7)
+    assert step_window(job3d, "all", 3) is None and step_window(job3d, "2:4", 3) == (2, 4)
+
+
+def test_timeline_and_report_take_the_newest_steps_unless_told(job3d):
+    r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(job3d), "-o", str(job3d / "t.json"),
+                        "--steps", "100:200"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "hold no events of steps 100-200" in r.stderr, r.stderr
+    assert not (job3d / "t.json").exists()
+    out = report.write_report(job3d, job3d / "r.html", steps="3:5")
+    assert "From the traces of steps 3–5" in out.read_text()
+    out = report.write_report(job3d, job3d / "r.html")  # 8 steps: all of them are the newest 200
+    assert "From the traces of steps 0–7 (by default the newest 200" in out.read_text()
+    r = subprocess.run([sys.executable, "-m", "megascale", "report", str(job3d), "--steps", "x"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and "--steps: 'x' is not A:B or all" in r.stderr, r.stderr
+
+
 def test_build_timeline_rejects_an_unknown_grouping(job3d):
     with pytest.raises(ValueError, match="group-by"):
         build_timeline(read_run(job3d), "host")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from megascale.errors import UserError
 
+TIMELINE_STEPS = 50  # the steps `megascale timeline` shows by default, the newest
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("timeline", help="merge every rank's trace into one Chrome/Perfetto trace JSON")
@@ -14,7 +16,8 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--out", help="output file (default: RUN_DIR/timeline.json)")
     p.add_argument("--group-by", default="rank", choices=("rank", "dp", "pp", "tp"),
                    help="order and label the ranks by this mesh coordinate")
-    p.add_argument("--steps", help="only steps A:B (inclusive, 0-based optimizer steps)")
+    p.add_argument("--steps", help=f"steps A:B (inclusive, 0-based optimizer steps), or all (default: the "
+                   f"newest {TIMELINE_STEPS}: a long run's whole trace is more than a browser opens)")
     p.set_defaults(func=_cmd_timeline)
 
     from megascale.observe import diagnose, report
@@ -25,27 +28,24 @@ def register(subparsers) -> None:
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
     from megascale.observe.timeline import write_timeline
-    from megascale.observe.trace import p2p_pairs, read_run
+    from megascale.observe.trace import p2p_pairs, read_run, step_window
 
-    steps = None
-    if args.steps:
-        try:
-            lo, hi = (int(v) for v in args.steps.split(":"))
-        except ValueError:
-            raise UserError(f"--steps: {args.steps!r} is not A:B") from None
-        if not 0 <= lo <= hi:
-            raise UserError(f"--steps: {args.steps!r} selects no step (A:B with 0 <= A <= B)")
-        steps = (lo, hi)
     if not Path(args.run_dir).is_dir():
         raise UserError(f"{args.run_dir}: not a directory")
     try:
-        out = write_timeline(args.run_dir, args.out, args.group_by, steps)
-        ranks = read_run(args.run_dir)
+        steps = step_window(args.run_dir, args.steps, TIMELINE_STEPS)
+        ranks = read_run(args.run_dir, steps=steps)
+        n = sum(len(t.events) for t in ranks.values())
+        if n == 0 and steps is not None:
+            raise ValueError(f"--steps: the traces in {args.run_dir} hold no events of steps "
+                             f"{steps[0]}-{steps[1]}")
+        out = write_timeline(args.run_dir, args.out, args.group_by, steps, ranks)
     except ValueError as e:
         raise UserError(str(e)) from None
-    n = sum(len(t.events) for t in ranks.values())
     err = max((t.clocks[-1]["err_ns"] for t in ranks.values() if t.clocks), default=0)
-    print(f"{out}: {n} spans of {len(ranks)} ranks; clock offsets to rank 0 known within {err / 1e3:.1f} us")
+    which = "every step" if steps is None else f"steps {steps[0]}-{steps[1]}"
+    print(f"{out}: {n} spans of {len(ranks)} ranks, {which}; clock offsets to rank 0 known within "
+          f"{err / 1e3:.1f} us")
     lat = alignment_latencies(p2p_pairs(ranks))
     if lat:
         lat.sort()

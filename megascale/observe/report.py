@@ -84,6 +84,9 @@ def model_params(model: dict[str, Any]) -> int | None:
         return None
 
 
+REPORT_STEPS = 200  # the traces' steps a report reads by default, the newest
+
+
 class Mesh(NamedTuple):
     """Where each rank sits: (dp, pp, tp) coordinates and host; `named` False when they are made up."""
 
@@ -92,14 +95,14 @@ class Mesh(NamedTuple):
     named: bool = True
 
 
-def read_trace(run_dir: Path) -> tuple[dict | None, str, Mesh | None]:
-    """The step-time breakdown from the trace files (or None and why not), and the mesh their
-    headers describe (for a run that logged no "layout" record)."""
+def read_trace(run_dir: Path, steps: tuple[int, int] | None = None) -> tuple[dict | None, str, Mesh | None]:
+    """The step-time breakdown from the trace files (of `steps` only, when given; or None and why not),
+    and the mesh their headers describe (for a run that logged no "layout" record)."""
     from megascale.observe.breakdown import step_breakdown
     from megascale.observe.trace import read_run
 
     try:
-        ranks = read_run(run_dir)
+        ranks = read_run(run_dir, steps=steps)
     except ValueError as e:
         return None, f"No trace files: {e}", None
     mesh = None
@@ -311,10 +314,15 @@ def section_startup(page: Page, recs: dict) -> str:
             + page.figure(fig, min(height, 700), legend=len(starts) > 1))
 
 
-def section_breakdown(page: Page, recs: dict, bd: dict | None, why: str) -> str:
+def section_breakdown(page: Page, recs: dict, bd: dict | None, why: str,
+                      steps: tuple[int, int] | None = None) -> str:
     note = bubble_note(recs.get("train", []))
     if bd is None:
         return absent(why) + note
+    if steps is not None:
+        note += (f"<p>From the traces of steps {steps[0]}–{steps[1]} (by default the newest {REPORT_STEPS}: "
+                 "<code>megascale report RUN_DIR --steps A:B</code> or <code>--steps all</code> for "
+                 "others).</p>")
     r0, slow = bd["rank0_id"], bd["slowest"]
     parts = [note, page.figure(per_step_figure(bd), 620 if slow != r0 else 400),
              page.figure(median_figure(bd), 240 if slow != r0 else 200, legend=False), median_table(bd)]
@@ -591,17 +599,17 @@ TITLES = {
 }  # fmt: skip
 
 
-def render(run_dir: Path, out: Path) -> str:
-    """The whole page as a string."""
+def render(run_dir: Path, out: Path, steps: tuple[int, int] | None = None) -> str:
+    """The whole page as a string (its trace sections from `steps` only, when given)."""
     recs = read_records(run_dir / "metrics.jsonl")
-    bd, why, traced = read_trace(run_dir)
+    bd, why, traced = read_trace(run_dir, steps)
     page = Page()
     bodies = {
         "summary": section_summary(run_dir, recs, read_config(run_dir)),
         "loss": section_loss(page, recs),
         "throughput": section_throughput(page, recs),
         "startup": section_startup(page, recs),
-        "breakdown": section_breakdown(page, recs, bd, why),
+        "breakdown": section_breakdown(page, recs, bd, why, steps),
         "stragglers": section_stragglers(page, recs, traced),
         "checkpoints": section_checkpoints(page, recs),
         "timeline": section_timeline(run_dir, out, (run_dir / "trace").is_dir()),
@@ -614,13 +622,20 @@ def render(run_dir: Path, out: Path) -> str:
             f'<nav>{nav}</nav><main>{sections}</main><!-- figures: {page.figures} --></body></html>\n')
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the report of `run_dir` (default RUN_DIR/report.html, atomically) and return its path."""
+def write_report(run_dir: str | Path, out: str | Path | None = None, steps: str | None = None) -> Path:
+    """Write the report of `run_dir` (default RUN_DIR/report.html, atomically) and return its path.
+    `steps`: the traces' steps it reads, "A:B" or "all" (default: the newest REPORT_STEPS)."""
+    from megascale.observe.trace import step_window
+
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise UserError(f"{run_dir}: no metrics.jsonl here; give a run directory (train.run_dir of a run)")
+    try:
+        window = step_window(run_dir, steps, REPORT_STEPS)
+    except ValueError as e:
+        raise UserError(str(e)) from None
     out = Path(out) if out else run_dir / "report.html"
-    text = render(run_dir, out)
+    text = render(run_dir, out, window)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(out)  # a reader (a browser refreshing it) never sees half a page
@@ -640,9 +655,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.jsonl)")
     p.add_argument("-o", "--out", metavar="FILE", help="where to write it (default: RUN_DIR/report.html)")
+    p.add_argument("--steps", help=f"the traces' steps A:B (inclusive, 0-based optimizer steps) or all "
+                   f"(default: the newest {REPORT_STEPS}; a long run's traces are GBs)")
 
 
 def handler(args: argparse.Namespace) -> int:
-    path = write_report(args.run_dir, args.out)
+    path = write_report(args.run_dir, args.out, args.steps)
     print(f"report: {path}")
     return 0

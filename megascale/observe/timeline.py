@@ -88,8 +88,10 @@ def _tid(stream: str) -> int:
 
 
 def write_timeline(run_dir: str | Path, out: str | Path | None = None, group_by: str = "rank",
-                   steps: tuple[int, int] | None = None) -> Path:
-    ranks = read_run(run_dir)
+                   steps: tuple[int, int] | None = None, ranks: dict[int, RankTrace] | None = None) -> Path:
+    """The timeline of `run_dir` (of `ranks`, read from it, when given) as Chrome trace JSON at `out`."""
+    if ranks is None:
+        ranks = read_run(run_dir, steps=steps)
     trace = build_timeline(ranks, group_by, steps)
     out = Path(out) if out else Path(run_dir) / ("timeline.json" if group_by == "rank"
                                                  else f"timeline_by_{group_by}.json")

@@ -64,21 +64,28 @@ def trace_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "trace"
 
 
-def read_rank(path: str | Path, align: bool = True) -> RankTrace:
-    """One rank's trace file (`rank_NNNNN.jsonl`), with its older part (`.1`) when it has one."""
+def read_rank(path: str | Path, align: bool = True, steps: tuple[int, int] | None = None) -> RankTrace:
+    """One rank's trace file (`rank_NNNNN.jsonl`), with its older part (`.1`) when it has one; with
+    `steps` (lo, hi), only the events of those steps (the others are skipped unparsed: a long run's
+    trace is hundreds of MB a rank, and a report or timeline wants a window of it)."""
     path = Path(path)
     older = path.with_name(path.name + ".1")
-    text = (older.read_text() + "\n" if older.exists() else "") + path.read_text()  # (a line cut short)
     segments: list[tuple[dict, list[dict], list[list]]] = []
     notes, dropped = [], 0
-    for line in text.splitlines():
+    for line in _lines([older, path] if older.exists() else [path]):
+        if steps is not None and line.startswith("["):
+            step = _step_of(line)
+            if step is not None and not steps[0] <= step <= steps[1]:
+                continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
             continue
         if isinstance(obj, list):
-            if segments:
+            if segments and (steps is None or steps[0] <= _int(obj, 4) <= steps[1]):
                 segments[-1][2].append(obj)
+            continue
+        if not isinstance(obj, dict):
             continue
         kind = obj.get("type")
         if kind == "header":
@@ -109,6 +116,59 @@ def read_rank(path: str | Path, align: bool = True) -> RankTrace:
     return out
 
 
+def last_step(run_dir: str | Path) -> int | None:
+    """The newest step in the run's traces (the tail of the first rank's file), None if none has one."""
+    files = sorted(trace_dir(run_dir).glob("rank_*.jsonl"))
+    if not files:
+        return None
+    with open(files[0], "rb") as f:
+        size = f.seek(0, 2)
+        f.seek(max(0, size - (1 << 16)))
+        tail = f.read().decode(errors="replace").splitlines()
+    found = [s for s in map(_step_of, (ln for ln in tail if ln.startswith("["))) if s is not None and s >= 0]
+    return max(found) if found else None
+
+
+def step_window(run_dir: str | Path, spec: str | None, default: int) -> tuple[int, int] | None:
+    """The steps a reader of a run's traces takes: `spec` "A:B" (inclusive), "all" (None: every step), or
+    None: the newest `default` steps. ValueError naming --steps if `spec` selects nothing."""
+    if spec == "all":
+        return None
+    if spec is None:
+        last = last_step(run_dir)
+        return None if last is None else (max(0, last - default + 1), last)
+    try:
+        lo, hi = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--steps: {spec!r} is not A:B or all") from None
+    if not 0 <= lo <= hi:
+        raise ValueError(f"--steps: {spec!r} selects no step (A:B with 0 <= A <= B)")
+    return lo, hi
+
+
+def _lines(paths: list[Path]):
+    """The lines of the files in turn, read as a stream (a cut last line stays a line of its own)."""
+    for p in paths:
+        with open(p, errors="replace") as f:
+            yield from f
+
+
+def _step_of(line: str) -> int | None:
+    """An event line's step (its 5th field) without parsing the JSON; None if it does not read so."""
+    parts = line.split(",", 5)
+    try:
+        return int(parts[4])
+    except (IndexError, ValueError):
+        return None
+
+
+def _int(row: list, i: int) -> int:
+    try:
+        return int(row[i])
+    except (IndexError, TypeError, ValueError):
+        return -1
+
+
 def _offset_at(at: list[int], offs: list[int], t: int) -> int:
     """The offset at local time t: linear between the measurements around it, else the nearest."""
     i = bisect.bisect_left(at, t)
@@ -121,14 +181,16 @@ def _offset_at(at: list[int], offs: list[int], t: int) -> int:
     return int(offs[i - 1] + w * (offs[i] - offs[i - 1]))
 
 
-def read_run(run_dir: str | Path, align: bool = True) -> dict[int, RankTrace]:
-    """Every rank's trace in `run_dir`, by rank. ValueError if there is none."""
+def read_run(run_dir: str | Path, align: bool = True,
+             steps: tuple[int, int] | None = None) -> dict[int, RankTrace]:
+    """Every rank's trace in `run_dir` (only steps [lo, hi] with `steps`), by rank. ValueError if there
+    is none."""
     files = sorted(trace_dir(run_dir).glob("rank_*.jsonl"))
     if not files:
         raise ValueError(f"{trace_dir(run_dir)}: no trace files (rank_NNNNN.jsonl); was observe.timers on?")
     out = {}
     for f in files:
-        t = read_rank(f, align)
+        t = read_rank(f, align, steps)
         out[t.rank] = t
     return out
 
