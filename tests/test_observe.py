@@ -512,8 +512,9 @@ def test_a_window_of_steps_reads_what_the_whole_trace_holds_of_them(job3d):
 
 
 def test_timeline_and_report_take_the_newest_steps_unless_told(job3d):
-    r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(job3d), "-o", str(job3d / "t.json"),
-                        "--steps", "100:200"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "megascale", "timeline", str(job3d), "-o",
+                        str(job3d / "t.json"), "--steps", "100:200"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "hold no events of steps 100-200" in r.stderr, r.stderr
     assert not (job3d / "t.json").exists()
     out = report.write_report(job3d, job3d / "r.html", steps="3:5")
