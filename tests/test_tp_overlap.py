@@ -179,12 +179,13 @@ def _build(mcfg, mesh, sp, fuse, chunks, init, impl="chunked"):
     return model, factory, build_optimizer(model, ocfg)
 
 
-def _model_parity(rank, style, block, sp, fuse, recompute, chunks, impl="chunked", tp=2):
-    """Overlap off against on (impl: parallel.tp_overlap_impl; test_tp_symm_mem uses "auto")."""
+def _model_parity(rank, style, block, sp, fuse, recompute, chunks, impl="chunked", tp=2, transport="sockets"):
+    """Overlap off against on (impl: parallel.tp_overlap_impl; test_tp_symm_mem uses "auto"; transport:
+    parallel.transport, the direct exchanges' messages over our sockets or gloo's own isend/irecv)."""
     mcfg = _model_config(style, block, recompute)
     torch.manual_seed(1234)
     init = GPT(mcfg).to(F64).state_dict()
-    mesh = Mesh.build(ParallelConfig(tp=tp, sequence_parallel=sp))
+    mesh = Mesh.build(ParallelConfig(tp=tp, sequence_parallel=sp, transport=transport))
     runs = [_build(mcfg, mesh, sp, fuse, c, init, impl) for c in (0, chunks)]
     samples = SyntheticSamples(16, SEQ, VOCAB)
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
@@ -237,6 +238,17 @@ def test_overlap_matches_plain_tp_loss_grads_and_steps(pool, name, chunks):
     # every block's 4 linears and the head; the fused parallel block's shared collectives under its
     # MLP's own rows (branches.py: SP only, plain TP's all-reduces keep their place)
     assert overlapped == ((1 + layers if sp else 1) if fuse else 4 * layers + 1)
+
+
+def test_recompute_replays_the_fused_blocks_exchanges_whole_on_gloos_transport(pool):
+    """Activation recomputation must replay a block's forward to its end: cut short once the tensors
+    backward needs were recomputed (torch.utils.checkpoint's early stop), the fused block's schedule
+    (branches.py) left its reduce-scatter issued and never waited, and on gloo's isend/irecv a later
+    exchange with the same peer and tag was matched against it: a tp2 run hung in step 0."""
+    for worst, overlapped in pool.run(_model_parity, "gpt", "parallel", True, True, True, 1, "chunked", 2,
+                                      "gloo"):
+        assert max(worst.values()) < STEP_TOL, worst
+        assert overlapped == 1 + _model_config("gpt", "parallel").n_layers
 
 
 def test_fused_parallel_block_overlap_at_tp4():
