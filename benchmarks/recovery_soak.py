@@ -46,10 +46,11 @@ from megascale.observe.metrics import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8
-# host-memory snapshots every 2 steps, storage every 3 (what a kill in stage 2 hits); faults are seen in
-# 1-2 s (exit), 5 s (no beat) or 12 s (beats, no step: above a step of an 8-rank layout on 2 cores)
-JOB = [f"train.steps={STEPS}", "train.eval_interval=4", "checkpoint.memory_interval=2",
-       "checkpoint.interval=3",
+MEMORY_EVERY, STORAGE_EVERY = 2, 3  # steps between host-memory snapshots, and storage checkpoints
+# (what a kill in stage 2 hits); faults are seen in 1-2 s (exit), 5 s (no beat) or 12 s (beats, no step:
+# above a step of an 8-rank layout on 2 cores)
+JOB = [f"train.steps={STEPS}", "train.eval_interval=4", f"checkpoint.memory_interval={MEMORY_EVERY}",
+       f"checkpoint.interval={STORAGE_EVERY}",
        "fault.heartbeat_interval_s=1", "fault.heartbeat_timeout_s=5", "fault.hang_timeout_s=12",
        "fault.selfcheck_min_speed=0"]  # correctness only: this machine's speed varies
 KINDS = ("kill", "stop", "hang", "skip", "persist", "twice", "reshard")
@@ -72,8 +73,10 @@ def draw_fault(rng: random.Random, world: int, kinds: list[str]) -> Fault:
         return Fault(kind, f"skip@agree:{step}:rank={rank}", 1, rank)
     if kind == "reshard":  # once a storage checkpoint is committed (a kill at a step could come before its
         return Fault(kind, f"kill@committed:{rng.choice([3, 6])}:rank={rank}", 0, rank)  # background persist)
-    if kind == "twice":  # a second rank dies while the restarted job redoes the steps the first lost
-        again = rng.randrange(step - step % 2, STEPS)
+    if kind == "twice":  # a second rank dies while the restarted job redoes the steps the first lost:
+        # from the newest state saved before the first kill (either kind of save), never an earlier step
+        resumed = max(c for c in range(step + 1) if c % MEMORY_EVERY == 0 or c % STORAGE_EVERY == 0)
+        again = rng.randrange(resumed, STEPS)
         return Fault(kind, f"kill@step:{step}:rank={rank},kill@step:{again}:rank={rng.randrange(world)}"
                            ":attempt=1", 2, rank)
     return Fault(kind, f"{kind}@step:{step}:rank={rank}", 1, rank)

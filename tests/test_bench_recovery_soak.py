@@ -27,6 +27,11 @@ def test_every_drawn_fault_names_a_rank_and_a_step_of_the_job():
         for f in faults:
             assert 0 <= f.rank < world and 0 <= f.value < soak.STEPS, fault
             seen.add((f.action, f.point, f.attempt))
+        if fault.kind == "twice":  # the restarted job must reach the second kill's step: no state was
+            first, again = faults  # saved after it and before the first kill (seed 17 drew 3 then 2)
+            saves = [c for c in range(soak.STEPS)
+                     if c % soak.MEMORY_EVERY == 0 or c % soak.STORAGE_EVERY == 0]
+            assert not any(again.value < c <= first.value for c in saves), fault
     assert seen == {("kill", "step", None), ("stop", "step", None), ("hang", "step", None),
                     ("skip", "agree", None), ("kill", "persist", None), ("kill", "step", 1),
                     ("kill", "committed", None)}
