@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import time
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -394,7 +395,9 @@ class Trainer:
         self._banner(start_step)
         old_handlers = self._install_signal_handlers()
         bar = self._progress_bar(start_step)
-        times, losses, last_val = [], [], float("nan")
+        # every step's time (the run's median) and loss (fit's result), 8 bytes each, not a Python float's
+        # 32: a week-long run is millions of steps
+        times, losses, last_val = array("d"), array("d"), float("nan")
         t_start = time.perf_counter()
         saved_at = None  # the step of a checkpoint whose blocked time the next step completes
         try:
@@ -477,7 +480,7 @@ class Trainer:
             "steps": self.step, "steps_run": self.step - start_step, "seconds": seconds,
             "tokens": self.step * self.tokens_per_step,
             "train_loss": losses[-1] if losses else float("nan"),
-            "val_loss": last_val, "losses": losses,
+            "val_loss": last_val, "losses": losses.tolist(),
             "median_step_time": med,
             "tokens_per_s": self.tokens_per_step / med if times else float("nan"),
             "mfu": self.tokens_per_step / med * self.flops_per_token / peak if times else float("nan"),
