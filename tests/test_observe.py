@@ -191,6 +191,12 @@ def test_a_bounded_trace_keeps_its_newest_records_in_two_files_that_read_on_thei
     assert steps == list(range(steps[0], 400)) and len(steps) > 40  # the newest, none missing
     raw = read_rank(rec.path, align=False)
     assert all(a.t0 - b.t0 == 5_000_000 for a, b in zip(both.events, raw.events, strict=True))
+    # just after a switch the new file holds no event yet: the newest step is the older part's
+    from megascale.observe.trace import last_step
+
+    rec._rotate()
+    assert '"type":"header"' in rec.path.read_text() and "forward" not in rec.path.read_text()
+    assert last_step(tmp_path) == 399
 
 
 def test_an_unbounded_trace_is_one_file(tmp_path):

@@ -117,16 +117,23 @@ def read_rank(path: str | Path, align: bool = True, steps: tuple[int, int] | Non
 
 
 def last_step(run_dir: str | Path) -> int | None:
-    """The newest step in the run's traces (the tail of the first rank's file), None if none has one."""
+    """The newest step in the run's traces (the tail of the first rank's file, or of its older part when
+    the file was just started and holds no event yet), None if neither has one."""
     files = sorted(trace_dir(run_dir).glob("rank_*.jsonl"))
     if not files:
         return None
-    with open(files[0], "rb") as f:
-        size = f.seek(0, 2)
-        f.seek(max(0, size - (1 << 16)))
-        tail = f.read().decode(errors="replace").splitlines()
-    found = [s for s in map(_step_of, (ln for ln in tail if ln.startswith("["))) if s is not None and s >= 0]
-    return max(found) if found else None
+    for path in (files[0], files[0].with_name(files[0].name + ".1")):
+        if not path.exists():
+            continue
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - (1 << 16)))
+            tail = f.read().decode(errors="replace").splitlines()
+        found = [s for s in map(_step_of, (ln for ln in tail if ln.startswith("[")))
+                 if s is not None and s >= 0]
+        if found:
+            return max(found)
+    return None
 
 
 def step_window(run_dir: str | Path, spec: str | None, default: int) -> tuple[int, int] | None:
