@@ -49,6 +49,7 @@ from megascale.checkpoint.rundir import RunDirLock, archive_previous_run
 from megascale.checkpoint.storage import CheckpointError, Storage
 from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import build_tokenizer, ensure_dataset, open_splits
+from megascale.data.atomic import write_text_atomic
 from megascale.data.shared_loader import build_loader
 from megascale.distributed.init import (
     agree_on_user_errors,
@@ -373,7 +374,7 @@ class Trainer:
             self._lock.acquire()
         if self.is_main:  # one writer per run directory: global rank 0
             try:
-                _write_atomic(self.run_dir / "config.toml", cfg.to_toml())
+                write_text_atomic(self.run_dir / "config.toml", cfg.to_toml())
             except OSError as e:  # a restart on a full disk: the run matters more than this copy
                 self._warn(f"cannot write {self.run_dir / 'config.toml'} ({e.strerror or e}); "
                            "training goes on")
@@ -643,12 +644,3 @@ def _cpu_has_bf16() -> bool:
 
 def _gpu_name() -> str:
     return torch.cuda.get_device_name()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)  # (a failed write's part)

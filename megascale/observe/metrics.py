@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 from pathlib import Path
 from typing import Any
 
+from megascale.data.atomic import write_text_atomic
 from megascale.observe.linefile import LineFile, say
 
 
@@ -110,12 +110,7 @@ def truncate_after(path: Path, step: int) -> None:
             continue  # a line cut short by a crash
         if rec.get("step", 0) <= step:
             kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    try:
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # (a failed write's part)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))  # (a failed write leaves no part)
 
 
 def read_metrics(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
