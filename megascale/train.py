@@ -219,8 +219,16 @@ class Trainer:
             host_selfcheck(self.device, self.cfg.fault.selfcheck_min_speed, self._warn)
         except HostCheckError as e:
             if self.dist.local_rank == 0:
-                blocklist.add(self.run_dir, host_id(), str(e), os.environ.get("TORCHELASTIC_RUN_ID", ""))
+                self._blocklist(host_id(), str(e))
             raise
+
+    def _blocklist(self, host: str, why: str) -> None:
+        """This host on the run's blocklist before its ranks leave the job (exit 4). Its leaving does not
+        depend on the file: a full disk costs only the record that keeps it out of a relaunch."""
+        try:
+            blocklist.add(self.run_dir, host, why, os.environ.get("TORCHELASTIC_RUN_ID", ""))
+        except OSError as e:
+            print(f"megascale: {blocklist.unwritten(self.run_dir, host, e)}", file=sys.stderr, flush=True)
 
     def _evict_straggler(self, rec: dict) -> None:
         """fault.evict_stragglers: every rank has the same verdict; the straggler's host leaves (exit 4, on
@@ -235,7 +243,7 @@ class Trainer:
             return
         if rec["host"] == host_id():
             if self.dist.local_rank == 0:
-                blocklist.add(self.run_dir, rec["host"], why, os.environ.get("TORCHELASTIC_RUN_ID", ""))
+                self._blocklist(rec["host"], why)
             raise HostCheckError(f"host {rec['host']} is evicted: {why}")
         raise PeerHostEvicted(f"host {rec['host']} is evicted ({why}); this host ({host_id()}) restarts "
                               "without it")

@@ -4,6 +4,7 @@ given size (root; skipped where mounting is not allowed)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -65,24 +66,35 @@ def test_a_line_file_loses_lines_while_the_disk_is_full_and_writes_again_after(s
     assert after[-1]["step"] == step + 1 and [r["step"] for r in after[:-1]] == list(range(1, len(after)))
 
 
-def _train(run_dir: Path, ckpt: Path, corpus: Path) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "megascale", "train", "--no-resume", "model.n_layers=2", "model.d_model=32",
+def _train(run_dir: Path, ckpt: Path, corpus: Path, fault: str = "") -> subprocess.CompletedProcess:
+    """120 steps; with a `fault` (MEGASCALE_INJECT) under `megascale launch`, which restarts the job."""
+    cmd = ["train", "--no-resume"] if not fault else ["launch", "--nproc-per-node", "1",
+                                                      "checkpoint.memory_interval=10"]
+    args = [sys.executable, "-m", "megascale", *cmd, "model.n_layers=2", "model.d_model=32",
             "model.n_heads=2", "model.seq_len=32", "train.steps=120", "train.global_batch=4",
             "train.micro_batch=2", "train.eval_interval=40", "train.eval_batches=2", "train.log_interval=40",
             "log.progress=false", "log.sample_tokens=0", "checkpoint.interval=40", "checkpoint.keep=1",
             "observe.flush_interval_s=0.05",  # the trace written as the run goes, not in one piece
             f"checkpoint.path={ckpt}", f"train.run_dir={run_dir}", f"data.source={json.dumps(str(corpus))}",
             f"data.path={json.dumps(str(corpus.parent / 'cache'))}"]
-    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGASCALE_INJECT": fault}
+    return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
 
 
-def test_a_run_directory_that_fills_up_costs_its_records_not_the_run(small_disk, tmp_path):
-    corpus = tmp_path / "corpus"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The corpus, and the final weights of the 120-step run on a roomy disk."""
+    tmp = tmp_path_factory.mktemp("ref")
+    corpus = tmp / "corpus"
     corpus.mkdir()
     shutil.copy(ROOT / "data" / "shakespeare" / "sonnets_gut.txt", corpus)
-    ref = _train(tmp_path / "ref", tmp_path / "ref_ck", corpus)
+    ref = _train(tmp / "ref", tmp / "ref_ck", corpus)
     assert ref.returncode == 0, ref.stderr
+    return corpus, read_model_state(tmp / "ref_ck" / "step_000120")[1]
+
+
+def test_a_run_directory_that_fills_up_costs_its_records_not_the_run(small_disk, tmp_path, reference):
+    corpus, want = reference
     disk = small_disk("64k")  # the metrics, trace and TensorBoard of ~45 of the 120 steps (~170 KB in all)
     r = _train(disk / "run", tmp_path / "ck", corpus)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -93,6 +105,88 @@ def test_a_run_directory_that_fills_up_costs_its_records_not_the_run(small_disk,
     assert "done: 120 steps" in r.stdout, r.stdout
     steps = [m["step"] for m in read_metrics(disk / "run" / "metrics.jsonl", "train")]
     assert steps and steps[-1] < 120  # the disk filled up mid-run
-    want = read_model_state(tmp_path / "ref_ck" / "step_000120")[1]
     got = read_model_state(tmp_path / "ck" / "step_000120")[1]
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_a_job_restarts_on_a_run_directory_that_filled_up(small_disk, tmp_path, reference):
+    """The disk fills up mid-run (~step 45), then the worker dies at step 90: the restart starts on the full
+    disk (its lock's holder line, its in-flight record, its trace all refused) and resumes to the end, with
+    the weights of the run that met neither. Before, every restart crashed writing the lock file."""
+    corpus, want = reference
+    disk = small_disk("64k")
+    r = _train(disk / "run", tmp_path / "ck", corpus, fault="kill@step:90")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "restarting the job (restart 1 of " in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "resumed from memory at step 80" in r.stdout, r.stdout[-3000:]  # its last snapshot
+    got = read_model_state(tmp_path / "ck" / "step_000120")[1]
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def _fill(disk: Path) -> None:
+    """Take every byte the disk has left."""
+    try:
+        with open(disk / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 4096)
+                f.flush()
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+
+
+def test_a_hang_verdict_on_a_full_disk_keeps_every_host_and_says_why(small_disk):
+    """The driver's step after a hang with a clear culprit (host B) whose run directory is full: the
+    blocklist, which is how B's own agent learns that it is out, cannot be written, so the restart keeps
+    every host and the line says so (before: the OSError left the agent's monitor loop)."""
+    from types import SimpleNamespace
+
+    from test_hang_verdict import job, wait_in_world
+
+    from megascale.config import FaultConfig
+    from megascale.fault import blocklist
+    from megascale.fault.driver import make_agent_class
+
+    run = small_disk("1m") / "run"  # room for the four ranks' in-flight records
+    blocklist.add(run, "C", "an earlier eviction")
+    wait_in_world(job(run), [0, 1, 2])  # rank 3 (host B) computes for good
+    _fill(run.parent)
+    group = SimpleNamespace(workers=[SimpleNamespace(world_size=4)],
+                            spec=SimpleNamespace(rdzv_handler=SimpleNamespace(get_run_id=lambda: "job")))
+    agent = SimpleNamespace(run_dir=str(run), multi_host=True, fault=FaultConfig())
+    text = make_agent_class()._judge_hang(agent, group)
+    assert text.startswith("diagnosis: rank 3 "), text
+    assert text.endswith(f"; host B stays: the run's blocklist ({run / 'blocklist.json'}) cannot be written "
+                         "(No space left on device)"), text
+    assert list(blocklist.read(run)) == ["C"]  # the list as it was, whole
+    assert not [p.name for p in run.rglob("*.tmp*")]  # no part of a failed write holds the disk
+
+
+def test_a_host_that_fails_its_self_check_on_a_full_disk_still_leaves(small_disk, tmp_path):
+    """`megascale launch` with every rank's self-check failing and the run directory's disk full: the host
+    leaves the job all the same (exit 4, not restarted); the line says its blocklist entry is missing."""
+    from test_launch import JOB
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(ROOT / "data" / "shakespeare" / "sonnets_gut.txt", corpus)
+    run = small_disk("64k") / "run"
+    run.mkdir()
+    _fill(run.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGASCALE_INJECT": "fail@selfcheck:2"}
+    r = subprocess.run([sys.executable, "-m", "megascale", "launch", "--nproc-per-node", "2", "--config",
+                        "configs/cpu_default.toml", *JOB, f"data.source={json.dumps(str(corpus))}",
+                        f"data.path={json.dumps(str(corpus / 'ds'))}", f"train.run_dir={run}",
+                        f"checkpoint.path={tmp_path / 'ck'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert "self-check failed: memory: injected" in r.stderr and "not restarting on it" in r.stderr, r.stderr
+    assert (f"host {_host()} could not be put on the run's blocklist ({run / 'blocklist.json'}: No space "
+            "left on device): it leaves this job, but a relaunch would take it back") in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert not (run / "blocklist.json").exists() and not list(run.glob("blocklist.json.tmp*"))
+
+
+def _host() -> str:
+    from megascale.fault.inject import host_id
+
+    return host_id()

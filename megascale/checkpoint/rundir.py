@@ -46,10 +46,11 @@ class RunDirLock:
             fh.close()
             raise UserError(f"train.run_dir {self.path.parent}: in use by another megascale job ({holder}); "
                             "wait for it to end, stop it, or use another run directory") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
-        fh.flush()
+        try:  # who holds it, for a second job's line (unbuffered: a failed write leaves nothing to flush)
+            os.ftruncate(fh.fileno(), 0)
+            os.pwrite(fh.fileno(), f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        except OSError:  # a full disk: the flock alone is the lock; the run starts (or restarts) all the same
+            pass
         self._fh = fh
 
     def release(self) -> None:

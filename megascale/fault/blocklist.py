@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,12 +48,13 @@ def read(run_dir: str | Path) -> dict[str, dict]:
 
 
 def _write(run_dir: str | Path, data: dict) -> None:
-    tmp = path(run_dir).with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path(run_dir))
+    from megascale.data.atomic import write_text_atomic  # here: megascale.data costs ~0.15 s to import
+    write_text_atomic(path(run_dir), json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def add(run_dir: str | Path, host: str, reason: str, job: str = "") -> None:
+    """Raises OSError when the file cannot be written (a full disk): the list as it was stays whole,
+    and the caller says that the host leaves without being kept out of a relaunch (see `unwritten`)."""
     with _locked(run_dir):
         data = read(run_dir)
         data[host] = {"reason": reason, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "job": job}
@@ -70,6 +70,12 @@ def remove(run_dir: str | Path, host: str) -> bool:
         del data[host]
         _write(run_dir, data)
         return True
+
+
+def unwritten(run_dir: str | Path, host: str, e: OSError) -> str:
+    """What to say when `add` failed: the eviction still happens, only its record for later is missing."""
+    return (f"host {host} could not be put on the run's blocklist ({path(run_dir)}: {e.strerror or e}): it "
+            "leaves this job, but a relaunch would take it back")
 
 
 def entry(run_dir: str | Path, host: str) -> dict | None:

@@ -246,8 +246,12 @@ def make_agent_class():
                 return said
             if not self.fault.evict_hung_hosts:
                 return f"{said} (fault.evict_hung_hosts = false: host {verdict.evict} stays)"
-            blocklist.add(self.run_dir, verdict.evict, f"hang: {verdict.text}",
-                          worker_group.spec.rdzv_handler.get_run_id())
+            try:
+                blocklist.add(self.run_dir, verdict.evict, f"hang: {verdict.text}",
+                              worker_group.spec.rdzv_handler.get_run_id())
+            except OSError as e:  # the list is how the culprit's own agent learns that it is out
+                why = f"the run's blocklist ({blocklist.path(self.run_dir)}) cannot be written"
+                return f"{said}; host {verdict.evict} stays: {why} ({e.strerror or e})"
             return f"{said}; evicting host {verdict.evict}"
 
         def _hang_timeout(self) -> float:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megascale.observe.linefile import say
+
 MAGIC = 0x4D454741494E464C  # "MEGAINFL"
 VERSION = 1
 # word offsets of the record
@@ -52,6 +54,20 @@ def record_path(dir_: Path, rank: int) -> Path:
     return Path(dir_) / f"rank_{rank:05d}.bin"
 
 
+def _map_file(path: Path) -> mmap.mmap:
+    """The record's file, zeroed and mapped. A restart's file of the right size is zeroed in place: its
+    blocks are there already, so a disk that filled up since the first start does not refuse them."""
+    size = 8 * WORDS
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, 0)
+        os.pwrite(fd, b"\0" * size, 0)  # real blocks, not a sparse file: a store to a hole can SIGBUS
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 class InFlight:
     """The writer side: one per rank, used by the timers on the training thread only."""
 
@@ -66,11 +82,14 @@ class InFlight:
         self._gid = {g: i for i, g in enumerate(self.groups)}
         self._op = {o: i for i, o in enumerate(OPS)}
         self._chan: dict[tuple[int, int], int] = {}
-        path = record_path(self.dir, rank)
-        with open(path, "wb") as f:
-            f.write(b"\0" * (8 * WORDS))
-        with open(path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), 8 * WORDS)
+        self.shared = True  # False: the record lives in this process only (its file could not be written)
+        try:
+            self._map = _map_file(record_path(self.dir, rank))
+        except OSError as e:  # a full disk: the rank trains on; only a hang's diagnosis misses its record
+            self.shared = False
+            self._map = mmap.mmap(-1, 8 * WORDS)
+            say(f"in-flight record of rank {rank}: cannot write {record_path(self.dir, rank)} "
+                f"({e.strerror or e}); a hang's diagnosis will not see this rank's ops; training goes on")
         # a memoryview of int64 words: a store is a few tens of ns (a numpy scalar store is ~5x that)
         self.words = memoryview(self._map).cast("q")
         w = self.words
@@ -79,9 +98,15 @@ class InFlight:
         w[MAGIC_W] = MAGIC  # last: a reader takes a record without it as not yet written
         info = {"rank": rank, "pid": os.getpid(), "host": host, "coords": coords, "groups": groups,
                 "ops": OPS, "version": VERSION}
-        tmp = self.dir / f"rank_{rank:05d}.json.tmp"
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, self.dir / f"rank_{rank:05d}.json")
+        if self.shared:
+            tmp = self.dir / f"rank_{rank:05d}.json.tmp"
+            try:
+                tmp.write_text(json.dumps(info))
+                os.replace(tmp, self.dir / f"rank_{rank:05d}.json")
+            except OSError as e:  # the words are there, but no reader finds a record without this file
+                tmp.unlink(missing_ok=True)
+                say(f"in-flight record of rank {rank}: cannot write {tmp.with_suffix('')} "
+                    f"({e.strerror or e}); a hang's diagnosis will not see this rank's ops; training goes on")
         self._seq = [0] * len(self.groups)
         self.heartbeat()
 

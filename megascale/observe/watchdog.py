@@ -47,6 +47,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from megascale.data.atomic import write_text_atomic
 from megascale.fault.inject import host_id
 from megascale.observe.inflight import (
     CUR_GROUP,
@@ -239,9 +240,7 @@ class Watchdog:
             "threads": thread_stacks(),
         }
         doc["flight_recorder"], doc["flight_recorder_note"] = flight_recorder()
-        tmp = self.hang_dir / f".rank_{self.rank:05d}.json.tmp"
-        tmp.write_text(json.dumps(doc, indent=1, default=str))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, json.dumps(doc, indent=1, default=str))  # no part left on a full disk
         self.dumps += 1
         return self.path
 
