@@ -364,11 +364,14 @@ class Trainer:
         return StepStats(self.step, loss_value, lr, float(grad_norm), dt, tps,
                          tps * self.flops_per_token / devices, tps * self.flops_per_token_published / devices)
 
+    def _val_batches(self) -> int:
+        """Validation micro-batches an evaluation takes: 0 when the split holds less than one."""
+        return min(self.cfg.train.eval_batches, len(self.val_samples) // self.cfg.train.micro_batch)
+
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first `eval_batches` validation micro-batches (a fixed set)."""
-        mb, n = self.cfg.train.micro_batch, len(self.val_samples)
-        batches = min(self.cfg.train.eval_batches, n // mb)
+        """Mean loss over the first `eval_batches` validation micro-batches (a fixed set); NaN if none."""
+        batches = self._val_batches()
         if batches == 0:
             return float("nan")
         return self.engine.evaluate(self.val_samples, batches, self._autocast)  # split over dp
@@ -407,6 +410,7 @@ class Trainer:
         # every step's time (the run's median) and loss (fit's result), 8 bytes each, not a Python float's
         # 32: a week-long run is millions of steps
         times, losses, last_val = array("d"), array("d"), float("nan")
+        evaluates = bool(t.eval_interval and self._val_batches())  # off, said at the start, if no batch
         t_start = time.perf_counter()
         saved_at = None  # the step of a checkpoint whose blocked time the next step completes
         try:
@@ -428,7 +432,7 @@ class Trainer:
                     rec["bubble"] = self.engine.bubble  # rank 0's idle fraction in the pipeline
                 logger.log("train", rec)
                 self._show(bar, s)
-                if t.eval_interval and (s.step % t.eval_interval == 0 or s.step == t.steps):
+                if evaluates and (s.step % t.eval_interval == 0 or s.step == t.steps):
                     last_val = self.evaluate()
                     logger.log("val", {"step": s.step, "loss": last_val, "ppl": _ppl(last_val)})
                     self._log_print(f"step {s.step}: val loss {last_val:.4f}, ppl {_ppl(last_val):.2f}", bar)
@@ -555,6 +559,11 @@ class Trainer:
         print(f"  data: {len(self.train_samples)} train / {len(self.val_samples)} val samples; "
               f"batch {t.global_batch} = {self.n_micro} x {t.micro_batch}; {t.dtype} on {self.device}; "
               f"peak {self.peak / 1e9:.0f} GFLOP/s ({self.peak_info.source}); {where}")
+        if t.eval_interval and not self._val_batches():
+            print(f"  validation off: the validation split has {len(self.val_samples)} samples, fewer than "
+                  f"one micro-batch ({t.micro_batch}); data.val_fraction = {self.cfg.data.val_fraction} "
+                  "holds out whole documents (a .txt file is one): more documents, or a larger fraction, "
+                  "give it some")
         print(f"  unigram baseline: {unigram_entropy(self.train_samples, m.vocab_size):.3f} nats/token "
               f"(a model that learned nothing but token frequencies)")
         if self.world_size > 1:

@@ -1,6 +1,7 @@
 """The trainer end to end on tiny models: exact resume, clean stop on SIGTERM, bad input."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -77,6 +78,20 @@ def test_one_process_keeps_no_per_op_samples_that_nobody_reads(corpus, tmp_path)
     trainer = Trainer(tiny(corpus, tmp_path / "run"), quiet=True)
     trainer.fit()
     assert trainer.observer.recorder is not None and trainer.observer.recorder.samples is None
+
+
+def test_no_validation_batch_is_said_once_and_no_nan_is_logged(corpus, tmp_path, capsys):
+    """A split with no validation micro-batch (data.val_fraction = 0 here; a one-file .txt corpus, one
+    document, the same): one line at the start, and no "val loss nan" line or record every eval_interval."""
+    r = Trainer(tiny(corpus, tmp_path / "run", "data.val_fraction=0"), quiet=False).fit()
+    out = capsys.readouterr().out
+    assert "validation off: the validation split has 0 samples, fewer than one micro-batch (4)" in out, out
+    assert "val loss" not in out and math.isnan(r["val_loss"])
+    kinds = {json.loads(x)["kind"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()}
+    assert "train" in kinds and "val" not in kinds
+    r = Trainer(tiny(corpus, tmp_path / "val"), quiet=False).fit()  # the same job with a validation split
+    out = capsys.readouterr().out
+    assert "validation off" not in out and "step 3: val loss " in out and math.isfinite(r["val_loss"])
 
 
 def test_loss_decreases_and_generate(corpus, tmp_path):
