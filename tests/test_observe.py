@@ -199,6 +199,29 @@ def test_a_bounded_trace_keeps_its_newest_records_in_two_files_that_read_on_thei
     assert last_step(tmp_path) == 399
 
 
+def test_a_reader_of_a_live_trace_misses_nothing_when_the_rank_switches_files(tmp_path):
+    """`megascale report` on a running job: the rank switches files (its current one becomes `.1`) after the
+    reader began the older part; the reader still gets the older part and the whole current file it saw."""
+    from megascale.observe.trace import _lines
+
+    rec = _recorder(tmp_path, max_bytes=8192)
+    try:
+        for step in range(150):  # one switch, and events in both files
+            rec.set_step(step)
+            t = rec.now()
+            rec.record("forward", "compute", t, t + 1000)
+            rec.flush()
+        assert rec.path.with_name(rec.path.name + ".1").exists()
+        want = [e.step for e in read_rank(rec.path).events]
+        lines = _lines(rec.path)
+        first = next(lines)  # reading has begun
+        rec._rotate()  # the rank switches files meanwhile
+        steps = [json.loads(x)[4] for x in [first, *lines] if x.startswith("[")]
+    finally:
+        rec.close()
+    assert steps == want and steps[-1] == 149
+
+
 def test_an_unbounded_trace_is_one_file(tmp_path):
     rec = _recorder(tmp_path, max_bytes=0)
     try:

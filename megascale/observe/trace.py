@@ -14,7 +14,9 @@ its older part in `rank_NNNNN.jsonl.1`, read first: each of the two files starts
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -69,10 +71,9 @@ def read_rank(path: str | Path, align: bool = True, steps: tuple[int, int] | Non
     `steps` (lo, hi), only the events of those steps (the others are skipped unparsed: a long run's
     trace is hundreds of MB a rank, and a report or timeline wants a window of it)."""
     path = Path(path)
-    older = path.with_name(path.name + ".1")
     segments: list[tuple[dict, list[dict], list[list]]] = []
     notes, dropped = [], 0
-    for line in _lines([older, path] if older.exists() else [path]):
+    for line in _lines(path):
         if steps is not None and line.startswith("["):
             step = _step_of(line)
             if step is not None and not steps[0] <= step <= steps[1]:
@@ -153,10 +154,24 @@ def step_window(run_dir: str | Path, spec: str | None, default: int) -> tuple[in
     return lo, hi
 
 
-def _lines(paths: list[Path]):
-    """The lines of the files in turn, read as a stream (a cut last line stays a line of its own)."""
-    for p in paths:
-        with open(p, errors="replace") as f:
+def _lines(path: Path):
+    """The lines of a rank's trace, its older part's first, read as a stream (a cut last line stays a line
+    of its own). Both files are opened before either is read, the current one first: a rank of a live job
+    that switches files meanwhile (renames the current one over the older part) takes nothing from a
+    reader that has them open, where reading the older part first, then opening the current one, would
+    find a new file and miss every record of the part it had not read."""
+    with contextlib.ExitStack() as stack:
+        parts = []
+        for p in (path, path.with_name(path.name + ".1")):
+            try:
+                parts.append(stack.enter_context(open(p, errors="replace")))  # noqa: SIM115 - the stack's
+            except FileNotFoundError:
+                continue
+        if len(parts) == 2 and os.fstat(parts[0].fileno()).st_ino == os.fstat(parts[1].fileno()).st_ino:
+            parts.pop()  # the switch came between the two opens: the older part is the file already open
+        if not parts:
+            raise FileNotFoundError(f"{path}: no such trace file")
+        for f in reversed(parts):
             yield from f
 
 
