@@ -48,6 +48,10 @@ def test_an_evicted_host_is_refused_until_unblocked(tmp_path):
     line = r.stderr.strip().splitlines()[-1]
     assert "this host (198.18.9.9) was evicted from this run" in line and "pattern 0xAA" in line
     assert "--unblock 198.18.9.9" in line
+    from megascale.fault.events import read_events
+
+    (refused,) = read_events(run)  # the run's event log keeps the refusal, on the host's own file
+    assert (refused["kind"], refused["host"]) == ("refused", "198.18.9.9") and "0xAA" in refused["detail"]
     r = _launch("--unblock", "198.18.9.9", run=run)
     assert r.returncode == 0 and "is off the blocklist" in r.stdout, r.stderr
     assert blocklist.read(run) == {}

@@ -97,6 +97,16 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     assert [s["step"] for s in starts] == [0, 6]
     assert {"init_process_group", "selfcheck", "build", "restore", "observer", "peak"} <= starts[1].keys()
     _same_as_reference(run, reference)
+    # the agent's event log (fault/events.py) says the same, for `megascale report`
+    from megascale.fault.events import read_events
+
+    events = read_events(run)
+    assert [e["kind"] for e in events] == ["start", detected.split(":")[0], "restart", "end"], events
+    seen = events[1]
+    assert (seen["restart"], seen["max_restarts"]) == (1, 3), seen
+    assert re.search(detected, f"{seen['kind']}: {seen['detail']}"), seen
+    assert set(events[2]["phases"]) == {"stopped", "rendezvous", "workers started"}
+    assert events[-1]["code"] == 0 and events[0]["nproc_per_node"] == 2
 
 
 def test_a_fault_before_the_first_snapshot_restarts_from_scratch_in_the_same_files(tmp_path, data, reference):
@@ -155,6 +165,10 @@ def test_a_host_that_fails_its_self_check_is_not_restarted(tmp_path, data):
     assert r.returncode == 4, r.stderr[-3000:]
     assert "self-check failed: memory: injected" in r.stderr, r.stderr[-3000:]
     assert "not restarting on it" in r.stderr and "restarting the job" not in r.stderr
+    from megascale.fault.events import read_events
+
+    events = read_events(tmp_path / "run")
+    assert [e["kind"] for e in events] == ["start", "selfcheck", "end"] and events[-1]["code"] == 4, events
 
 
 def test_the_default_hang_timeout_follows_the_step_time():

@@ -230,9 +230,36 @@ dtype = "bf16"
 """
 
 
+T0 = 1_765_000_000.0  # the launch agents' events: host node1 sees a crash, both restart, a hang on node0
+
+
+def agent_events() -> dict[str, list[dict]]:
+    def ev(t, host, kind, **kw):
+        return {"t": T0 + t, "host": host, "kind": kind, **kw}
+
+    phases = {"stopped": 0.2, "rendezvous": 1.1, "workers started": 0.4}
+    return {
+        "node0": [ev(0, "node0", "start", run_id="j", nnodes="2", nproc_per_node=4, pid=11),
+                  ev(63.5, "node0", "membership", detail="a host waits to join"),
+                  ev(65, "node0", "restart", phases=phases),
+                  ev(200, "node0", "hang", detail="rank 2 (pid 9) beats but has made no new step",
+                     restart=2, max_restarts=3),
+                  ev(209, "node0", "restart", phases=phases), ev(400, "node0", "end", code=0, seconds=400)],
+        "node1": [ev(0.4, "node1", "start", run_id="j", nnodes="2", nproc_per_node=4, pid=12),
+                  ev(60, "node1", "crash", detail="worker exit codes {5: -9}", restart=1,
+                     max_restarts=3),
+                  ev(64, "node1", "restart", phases=phases),
+                  ev(400.2, "node1", "end", code=0, seconds=399.8)],
+    }
+
+
 def make_run(run_dir: Path, trace: bool = True) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics_records()))
+    (run_dir / "events").mkdir()
+    for host, events in agent_events().items():
+        (run_dir / "events" / f"{host}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events)
+                                                          + '{"t": 1765000401, "ho')  # a cut last line
     (run_dir / "config.toml").write_text(CONFIG_TOML)
     if trace:
         write_trace(run_dir)
@@ -270,7 +297,13 @@ def test_report_has_every_section_and_is_self_contained(tmp_path):
     for needle in ("312 TFLOP/s", "measured by a GEMM probe", "tp 2 × pp 2 × dp 2 = 8 ranks",
                    "124 M parameters", "published convention", "exact model FLOPs",
                    f"rank {SLOW_RANK} (slowest", "disk full", 'href="timeline.json"', "ui.perfetto.dev",
-                   "node1", "Flagged stragglers"):
+                   "node1", "Flagged stragglers",
+                   # the agents' events: 3 faults, each followed by its host's restart (4, 1.5 and 9 s later)
+                   "2 agent start(s) on 2 host(s); 3 fault(s) (1 crash, 1 hang, 1 membership); 3 restart(s); "
+                   "from a fault seen to the workers started again: median 4.0 s, longest 9.0 s, 14.5 s in "
+                   "all",
+                   "worker exit codes {5: -9}; restart 1 of 3", "stopped 0.20 s, rendezvous 1.10 s",
+                   "exit 0 after 400 s", "+209.0"):
         assert needle in text, needle
     # Nothing to fetch: no external script or stylesheet, and plotly.js is inlined exactly once.
     assert not re.search(r"<script[^>]*\bsrc\s*=", text, re.I)
@@ -290,7 +323,7 @@ def test_absent_data_is_said_in_one_line(tmp_path):
     for s in report.SECTIONS:
         assert f'<section id="{s}">' in text
     for needle in ("No validation records", "No start-up record", "No trace files", "No per-rank timing",
-                   "No checkpoint was saved", "no config.toml", "no peak record"):
+                   "No checkpoint was saved", "no config.toml", "no peak record", "No event log in events/"):
         assert needle in text, needle
     assert static_figures(text) == 2  # loss and throughput
     assert "window.PlotlyConfig" in text  # the first figure still carries plotly.js

@@ -30,6 +30,9 @@ started beyond --nnodes waits in elastic's redundancy list) completes in its pla
 `--nnodes MIN:MAX` and `parallel.dp = 0`, which closes with fewer hosts and a smaller dp (the
 restore reshards). An agent never starts on a blocklisted host.
 
+What each agent sees and does (its start, every fault, restart and eviction, its end) also goes to the
+run's event log, RUN_DIR/events/HOST.jsonl (fault/events.py), which `megascale report` reads.
+
 Faults injected with MEGASCALE_INJECT fire in the first attempt only (`fault/inject.py`), so a
 restarted job runs clean, as after a real fault.
 """
@@ -51,6 +54,7 @@ from megascale.distributed import prefork
 from megascale.distributed.launch import elastic_agent, kill_the_rest_after_a_failure
 from megascale.errors import UserError
 from megascale.fault import blocklist, rendezvous
+from megascale.fault.events import EventLog
 
 _log = logging.getLogger("megascale.launch")
 JOIN_TIMEOUT_S = 120  # how long a host waits for the others in a rendezvous round
@@ -90,6 +94,7 @@ def make_agent_class():
         host = ""  # this host's id (MEGASCALE_HOST_ID)
         run_dir = ""  # the run's directory: its blocklist
         store_host = ""  # the --rdzv-endpoint's host: where the rendezvous store is served
+        log = None  # the run's event log of this host (fault/events.py), or None
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -171,11 +176,13 @@ def make_agent_class():
                     else:
                         _say("the host failed its self-check (its line is above): not restarting on it; "
                              "repair or replace it and launch again")
+                        self._log("selfcheck", detail="the host failed its self-check: not restarting on it")
                 elif _final(codes, 5):
                     self._event("evict", "another host was evicted (failed self-check or straggler: the "
                                 "workers' line is above) and left the job")
                 elif _final(codes, 2):
                     self._remaining_restarts = 0  # a user error: restarting cannot help
+                    self._log("user error", detail="the workers' line is above: not restarted")
                 else:
                     worst = {r: f.exitcode for r, f in result.failures.items()}
                     self._event("crash", f"worker exit codes {worst}")
@@ -263,6 +270,7 @@ def make_agent_class():
         def _event(self, kind: str, detail: str) -> None:
             left, most = self._remaining_restarts, self._worker_group.spec.max_restarts
             self.events.append({"kind": kind, "detail": detail, "t": time.time(), "restarts_left": left})
+            self._log(kind, detail=detail, restart=most - left + 1 if left > 0 else None, max_restarts=most)
             then = (f"restarting the job (restart {most - left + 1} of {most})" if left > 0
                     else f"no restarts left (fault.max_restarts={most}): the job fails")
             _say(f"{kind}: {detail}; {then}")
@@ -277,10 +285,13 @@ def make_agent_class():
             if self._healthy:  # elastic's own restart: a membership change, not counted as a restart
                 _say("membership: a host waits to join (restarted, a replacement, or after a fault it saw "
                      "first); restarting the job to take it in")
+                self._log("membership", detail="a host waits to join")
             self._healthy = False
             self._phases = {}
             super()._restart_workers(worker_group)
             parts = ", ".join(f"{k} {v:.2f} s" for k, v in self._phases.items())
+            self._log("restart", phases={k: round(v, 3) for k, v in self._phases.items()},
+                      round=os.environ.get("MEGASCALE_ROUND"))
             _say(f"restart: {parts} (round {os.environ.get('MEGASCALE_ROUND', '?')}); the workers' own "
                  "start-up is in the run's startup records")
 
@@ -296,8 +307,13 @@ def make_agent_class():
         def _start_workers(self, worker_group):
             return self._timed("workers started", super()._start_workers, worker_group)
 
+        def _log(self, kind: str, **fields) -> None:
+            if self.log is not None:
+                self.log.write(kind, **fields)
+
         def _evicted(self, worker_group) -> None:
             self._remaining_restarts = 0
+            self._log("evicted", detail=(blocklist.entry(self.run_dir, self.host) or {}).get("reason", ""))
             self._leave_quietly(worker_group.spec.rdzv_handler)
             _say(f"this host ({self.host}) is evicted (failed self-check, straggler or hang: its line is "
                  f"above), on the run's blocklist ({blocklist.path(self.run_dir)}); the other hosts go on "
@@ -371,10 +387,11 @@ def _beat_store():
 
 
 @contextmanager
-def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, beat_store, store_host: str):
+def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, beat_store, store_host: str,
+               log: EventLog):
     """elastic_launch builds a LocalElasticAgent by name; for this call it builds ours."""
     cls = make_agent_class()
-    cls.fault, cls.multi_host, cls.host, cls.run_dir = fault, multi_host, host, run_dir
+    cls.fault, cls.multi_host, cls.host, cls.run_dir, cls.log = fault, multi_host, host, run_dir, log
     cls.store_host = store_host
     cls.beat_store = beat_store
     with elastic_agent(cls):
@@ -426,13 +443,17 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
     os.environ["MEGASCALE_LAUNCH"] = "1"  # the workers' cue: self-check before training (fault.selfcheck)
     # the host's name in the job: its address as the others reach it (simulated hosts share a hostname)
     host = os.environ.setdefault("MEGASCALE_HOST_ID", local_addr or socket.gethostname())
+    log = EventLog(run_dir, host)
     banned = blocklist.entry(run_dir, host)
     if banned is not None:
         _say(f"this host ({host}) was evicted from this run at {banned.get('time')}: {banned.get('reason')}; "
              f"not joining. Once it is repaired: megascale launch --unblock {host} --config ... (or delete "
              f"its entry from {blocklist.path(run_dir)})")
+        log.write("refused", detail=f"evicted at {banned.get('time')}: {banned.get('reason')}")
+        log.close()
         return 4
     t0 = time.time()
+    log.write("start", run_id=run_id, nnodes=nnodes, nproc_per_node=nproc_per_node, pid=os.getpid())
     argv = ("-m", "megascale", "train", *train_argv)
     server = None
     if fault.prefork_workers:
@@ -442,15 +463,19 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
         server = prefork.Server()
         os.environ[prefork.ENV] = server.path
         argv = server.argv(argv)
+    code = 1
     try:
-        return _run_agent(config_args, fault, max_nodes, host, run_dir, rdzv_endpoint, argv, t0)
+        code = _run_agent(config_args, fault, max_nodes, host, run_dir, rdzv_endpoint, argv, t0, log)
+        return code
     finally:
         if server is not None:
             server.close()
+        log.write("end", code=code, seconds=round(time.time() - t0, 3))
+        log.close()
 
 
 def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str, run_dir: str,
-               rdzv_endpoint: str, argv: tuple[str, ...], t0: float) -> int:
+               rdzv_endpoint: str, argv: tuple[str, ...], t0: float, log: EventLog) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
@@ -462,7 +487,8 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
     config = LaunchConfig(rdzv_backend=rendezvous.BACKEND, rdzv_endpoint=rdzv_endpoint, **config_args)
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     try:
-        with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store(), _endpoint_host(rdzv_endpoint)):
+        store_host = _endpoint_host(rdzv_endpoint)
+        with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store(), store_host, log):
             elastic_launch(config, entrypoint=sys.executable)(*argv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}

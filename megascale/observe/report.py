@@ -7,7 +7,8 @@ Sections: the run (config, layout, peak FLOP/s and where it came from), loss and
 tokens/s and MFU in both conventions, the start-up breakdown, where a step's time went
 (compute vs exposed communication per dimension, pipeline bubble; rank 0 and the slowest
 rank, from the trace files), the straggler heat map on the device mesh, checkpoint stalls,
-and a link to the Perfetto timeline. A section whose data the run does not have says so in
+the faults and restarts of a launched job (its agents' event logs), and a link to the Perfetto
+timeline. A section whose data the run does not have says so in
 one line. Charts are plotly figures with plotly.js inlined once, so the file opens offline
 (on a cluster's login node, attached to a ticket, years later).
 """
@@ -27,7 +28,8 @@ from typing import Any, NamedTuple
 
 from megascale.errors import UserError
 
-SECTIONS = ("summary", "loss", "throughput", "startup", "breakdown", "stragglers", "checkpoints", "timeline")
+SECTIONS = ("summary", "loss", "throughput", "startup", "breakdown", "stragglers", "checkpoints", "faults",
+            "timeline")
 COLOURS = {  # fixed per category, so the two breakdown charts read alike
     "compute": "#4c78a8", "exposed_dp": "#f58518", "exposed_tp": "#e45756", "exposed_pp": "#72b7b2",
     "bubble": "#b279a2", "data": "#54a24b", "checkpoint": "#eeca3b", "other": "#bab0ac",
@@ -559,6 +561,72 @@ def checkpoint_note(stalls: list[dict], persists: list[dict]) -> str:
     return f"<p>{esc('; '.join(bits))}.</p>"
 
 
+FAULTS = ("crash", "no heartbeat", "hang", "evict", "membership")  # what a restart follows (fault/events.py)
+
+
+def section_faults(run_dir: Path) -> str:
+    """The launch agents' event logs: what went wrong, when, on which host, and how long until the
+    workers ran again."""
+    from megascale.fault.events import read_events
+
+    events = read_events(run_dir)
+    if not events:
+        return absent("No event log in events/: the run was not started with `megascale launch` (whose "
+                      "agents write one per host).")
+    t0 = events[0]["t"]
+    count = defaultdict(int)
+    for e in events:
+        count[e["kind"]] += 1
+    faults = [e for e in events if e["kind"] in FAULTS]
+    back = restart_seconds(events)
+    bits = [f"{count['start']} agent start(s) on {len({e.get('host') for e in events})} host(s)",
+            f"{len(faults)} fault(s)" + (" (" + ", ".join(f"{count[k]} {k}" for k in FAULTS if count[k]) + ")"
+                                         if faults else ""),
+            f"{count['restart']} restart(s)"]
+    if count["evicted"]:
+        bits.append(f"{count['evicted']} host(s) evicted")
+    if back:
+        bits.append(f"from a fault seen to the workers started again: median {statistics.median(back):.1f} "
+                    f"s, longest {max(back):.1f} s, {sum(back):.1f} s in all")
+    shown = events[-MAX_TABLE_ROWS:]
+    more = (f" The newest {MAX_TABLE_ROWS} of {len(events)} events are shown; all are in "
+            f"{run_dir / 'events'}." if len(events) > MAX_TABLE_ROWS else "")
+    rows = [[datetime.datetime.fromtimestamp(e["t"], datetime.UTC).strftime("%Y-%m-%d %H:%M:%S"),
+             f"+{e['t'] - t0:.1f}", e.get("host", "?"), e["kind"], event_text(e)] for e in shown]
+    return (f"<p>{esc('; '.join(bits))}.{esc(more)}</p>"
+            + table(["time (UTC)", "s since the first start", "host", "event", "what"], rows))
+
+
+def restart_seconds(events: list[dict]) -> list[float]:
+    """Per fault a host's agent saw, the seconds until its workers were started again (its next restart)."""
+    out, seen = [], {}
+    for e in events:
+        host = e.get("host")
+        if e["kind"] in FAULTS and host not in seen:
+            seen[host] = e["t"]
+        elif e["kind"] == "restart" and host in seen:
+            out.append(e["t"] - seen.pop(host))
+        elif e["kind"] in ("start", "end"):
+            seen.pop(host, None)  # a new agent (or none): what the old one saw got no restart
+    return out
+
+
+def event_text(e: dict) -> str:
+    if e["kind"] == "restart":
+        phases = e.get("phases") or {}
+        return ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if isinstance(v, (int, float)))
+    if e["kind"] == "start":
+        return f"job {e.get('run_id', '?')}, hosts {e.get('nnodes', '?')}, {e.get('nproc_per_node', '?')} " \
+               f"workers, agent pid {e.get('pid', '?')}"
+    if e["kind"] == "end":
+        return f"exit {e.get('code', '?')} after {e.get('seconds', 0):.0f} s"
+    then = ""
+    if isinstance(e.get("max_restarts"), int):
+        then = (f"; restart {e['restart']} of {e['max_restarts']}" if isinstance(e.get("restart"), int)
+                else f"; no restarts left (fault.max_restarts={e['max_restarts']}): the job fails")
+    return f"{e.get('detail', '')}{then}"
+
+
 def section_timeline(run_dir: Path, out: Path, have_trace: bool) -> str:
     files = sorted(run_dir.glob("timeline*.json"), key=lambda p: (p.name != "timeline.json", p.name))
     if not files:
@@ -595,7 +663,7 @@ th { background: #f5f5f5; } .absent { color: #8d6e63; font-style: italic; }
 TITLES = {
     "summary": "Run", "loss": "Loss and validation", "throughput": "Throughput and MFU",
     "startup": "Start-up", "breakdown": "Step-time breakdown", "stragglers": "Stragglers",
-    "checkpoints": "Checkpoint stalls", "timeline": "Timeline",
+    "checkpoints": "Checkpoint stalls", "faults": "Faults and restarts", "timeline": "Timeline",
 }  # fmt: skip
 
 
@@ -612,6 +680,7 @@ def render(run_dir: Path, out: Path, steps: tuple[int, int] | None = None) -> st
         "breakdown": section_breakdown(page, recs, bd, why, steps),
         "stragglers": section_stragglers(page, recs, traced),
         "checkpoints": section_checkpoints(page, recs),
+        "faults": section_faults(run_dir),
         "timeline": section_timeline(run_dir, out, (run_dir / "trace").is_dir()),
     }
     nav = "".join(f'<a href="#{s}">{TITLES[s]}</a>' for s in SECTIONS)
