@@ -12,12 +12,15 @@ appends from several machines to one file of a network filesystem are not atomic
     membership a host waits to join (restarted, a replacement): elastic's own restart, not counted
     restart    the workers run again: the seconds of each phase (stopped, rendezvous, workers started)
     evicted    this host leaves the job (failed self-check, straggler, hang)
+    selfcheck  this host failed its self-check in a one-host job (not restarted)
+    user error the workers exited 2 (not restarted)
+    refused    an agent started on a host on the run's blocklist, and left
     end        the agent's last word: the job's exit code and its seconds
 
 The stderr lines of each agent say the same, but a night's lines of a hundred hosts end up in a
 hundred pods' logs; these files stay with the run, where `megascale report` finds them (its
-"Faults and restarts" section, with the run's ETTR). Written through LineFile: a full disk costs
-lines, never the agent.
+"Faults and restarts" section: the events, and the seconds from each fault to the workers started
+again). Written through LineFile: a full disk costs lines, never the agent.
 """
 
 from __future__ import annotations
