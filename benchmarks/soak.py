@@ -307,7 +307,7 @@ def restart_phases(lines: list[tuple[float, str]], run: Path) -> None:
     workers: dict[str, list[float]] = {}
     for r in [r for r in metric_records(run) if r.get("kind") == "startup"][1:]:
         for k, v in r.items():
-            if k not in ("kind", "step") and isinstance(v, (int, float)):
+            if k not in ("kind", "step", "time") and isinstance(v, (int, float)):  # time: when logged
                 workers.setdefault(k, []).append(v)
     if agent:
         print("restart, agents (median s): "

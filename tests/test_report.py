@@ -168,7 +168,7 @@ def metrics_records(steps: int = STEPS) -> list[dict]:
     """Every kind of metrics.jsonl record, shaped as the trainer writes them."""
     recs: list[dict] = [
         {"kind": "startup", "step": 0, "imports": 1.8, "rendezvous": 0.6, "groups": 0.9,
-         "first_collective": 0.35, "model_init": 2.4, "restore": 0.7, "data": 1.1},
+         "first_collective": 0.35, "model_init": 2.4, "restore": 0.7, "data": 1.1, "time": T0 + 8},
         {"kind": "peak", "step": 0, "peak_flops": 3.12e14, "source": "probe", "detail": "bf16 GEMM 8192^3",
          "flops_per_token": 1.15e9, "flops_per_token_published": 1.18e9},
         {"kind": "layout", "step": 0, "dp": DP, "pp": PP, "tp": TP, "world": WORLD,
@@ -181,7 +181,7 @@ def metrics_records(steps: int = STEPS) -> list[dict]:
         mfu = 0.34 * tps / 11000
         recs.append({"kind": "train", "step": s, "loss": loss, "lr": 1e-3, "grad_norm": 0.8,
                      "step_time": 0.37, "tokens_per_s": tps, "mfu": mfu, "mfu_published": mfu * 1.18 / 1.15,
-                     "tokens": 4096 * s, "bubble": 0.11})
+                     "tokens": 4096 * s, "bubble": 0.11, "time": T0 + 5 + 6 * s})
         if s % 20 == 0:
             recs.append({"kind": "val", "step": s, "loss": loss + 0.1, "ppl": math.exp(loss + 0.1)})
             recs += ranks_records(s - 19, s)
@@ -303,7 +303,11 @@ def test_report_has_every_section_and_is_self_contained(tmp_path):
                    "from a fault seen to the workers started again: median 4.0 s, longest 9.0 s, 14.5 s in "
                    "all",
                    "worker exit codes {5: -9}; restart 1 of 3", "stopped 0.20 s, rendezvous 1.10 s",
-                   "exit 0 after 400 s", "+209.0"):
+                   "exit 0 after 400 s", "+209.0",
+                   "The phases of the latest start add up to 7.85 s.",  # not its wall clock (time)
+                   # 60 steps of 0.37 s in the 400.2 s from node0's start to node1's end
+                   "ETTR 5.5% (22 s of training steps in 400 s from the first agent&#x27;s start to the last "
+                   "one&#x27;s end)"):
         assert needle in text, needle
     # Nothing to fetch: no external script or stylesheet, and plotly.js is inlined exactly once.
     assert not re.search(r"<script[^>]*\bsrc\s*=", text, re.I)
@@ -327,6 +331,17 @@ def test_absent_data_is_said_in_one_line(tmp_path):
         assert needle in text, needle
     assert static_figures(text) == 2  # loss and throughput
     assert "window.PlotlyConfig" in text  # the first figure still carries plotly.js
+
+
+def test_ettr_of_a_job_that_has_not_ended_runs_to_its_newest_step():
+    events = [{"t": 100.0, "kind": "start"}, {"t": 150.0, "kind": "crash"}, {"t": 160.0, "kind": "restart"}]
+    train = [{"step": s, "step_time": 2.0, "time": 100.0 + 4 * s} for s in range(1, 26)]  # to t = 200
+    assert report.ettr_text(events, train) == ("ETTR 50.0% (50 s of training steps in 100 s from the first "
+                                               "agent's start to the newest step)")
+    # steps from before the launch (a run begun by `megascale train`) are not the job's
+    early = [{"step": 0, "step_time": 40.0, "time": 10.0}]
+    assert report.ettr_text(events, early + train) == report.ettr_text(events, train)
+    assert report.ettr_text(events, [{"step": 1, "step_time": 2.0}]) == ""  # records without `time`
 
 
 def test_heat_map_mesh_without_a_layout_record():

@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from megascale.data.atomic import write_text_atomic
 from megascale.observe.linefile import LineFile, say
+
+_NOT_SCALARS = ("kind", "step", "time")
 
 
 class MetricsLogger:
@@ -43,14 +46,15 @@ class MetricsLogger:
                 self._tb_failed(e)
 
     def log(self, kind: str, record: dict[str, Any]) -> None:
-        record = {"kind": kind, **record}
+        # the wall clock (Unix seconds) of every record: loss against time, and the report's ETTR
+        record = {"kind": kind, **record, "time": round(time.time(), 3)}
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record, default=_jsonable) + "\n")
         if self._tb is not None:
             step = record["step"]
             try:
                 for k, v in record.items():
-                    if k in ("kind", "step") or isinstance(v, bool) or not isinstance(v, (int, float)):
+                    if k in _NOT_SCALARS or isinstance(v, bool) or not isinstance(v, (int, float)):
                         continue
                     if math.isfinite(v):
                         self._tb.add_scalar(f"{kind}/{k}", v, step)

@@ -303,7 +303,7 @@ def section_startup(page: Page, recs: dict) -> str:
         return absent("No start-up record in metrics.jsonl.")
     fig = go.Figure()
     for rec in starts[-3:]:  # the latest starts of a resumed run, side by side
-        phases = [k for k, v in rec.items() if k not in ("kind", "step") and isinstance(v, (int, float))]
+        phases = startup_phases(rec)
         fig.add_bar(y=phases, x=[rec[k] for k in phases], orientation="h",
                     name=f"start at step {rec['step']}", text=[f"{rec[k]:.2f} s" for k in phases],
                     textposition="auto",
@@ -311,9 +311,15 @@ def section_startup(page: Page, recs: dict) -> str:
     fig.update_layout(title="Start-up, seconds per phase (rank 0)", xaxis_title="seconds", barmode="group",
                       yaxis=dict(autorange="reversed"))
     height = 180 + 30 * max(len(r) for r in starts[-3:]) * (1 + (len(starts[-3:]) > 1))
-    total = sum(v for k, v in starts[-1].items() if k not in ("kind", "step") and isinstance(v, (int, float)))
+    total = sum(starts[-1][k] for k in startup_phases(starts[-1]))
     return (f"<p>The phases of the latest start add up to {total:.2f} s.</p>"
             + page.figure(fig, min(height, 700), legend=len(starts) > 1))
+
+
+def startup_phases(rec: dict) -> list[str]:
+    """A start-up record's phases: its numeric fields but the step and the wall clock it was logged at."""
+    return [k for k, v in rec.items() if k not in ("kind", "step", "time") and isinstance(v, (int, float))
+            and not isinstance(v, bool)]
 
 
 def section_breakdown(page: Page, recs: dict, bd: dict | None, why: str,
@@ -564,9 +570,9 @@ def checkpoint_note(stalls: list[dict], persists: list[dict]) -> str:
 FAULTS = ("crash", "no heartbeat", "hang", "evict", "membership")  # what a restart follows (fault/events.py)
 
 
-def section_faults(run_dir: Path) -> str:
-    """The launch agents' event logs: what went wrong, when, on which host, and how long until the
-    workers ran again."""
+def section_faults(run_dir: Path, train: list[dict]) -> str:
+    """The launch agents' event logs: what went wrong, when, on which host, how long until the workers ran
+    again, and the job's ETTR."""
     from megascale.fault.events import read_events
 
     events = read_events(run_dir)
@@ -588,6 +594,9 @@ def section_faults(run_dir: Path) -> str:
     if back:
         bits.append(f"from a fault seen to the workers started again: median {statistics.median(back):.1f} "
                     f"s, longest {max(back):.1f} s, {sum(back):.1f} s in all")
+    ettr = ettr_text(events, train)
+    if ettr:
+        bits.append(ettr)
     shown = events[-MAX_TABLE_ROWS:]
     more = (f" The newest {MAX_TABLE_ROWS} of {len(events)} events are shown; all are in "
             f"{run_dir / 'events'}." if len(events) > MAX_TABLE_ROWS else "")
@@ -595,6 +604,29 @@ def section_faults(run_dir: Path) -> str:
              f"+{e['t'] - t0:.1f}", e.get("host", "?"), e["kind"], event_text(e)] for e in shown]
     return (f"<p>{esc('; '.join(bits))}.{esc(more)}</p>"
             + table(["time (UTC)", "s since the first start", "host", "event", "what"], rows))
+
+
+def ettr_text(events: list[dict], train: list[dict]) -> str:
+    """ETTR, MegaScale's effective training time ratio: the seconds of the steps that count (the run's
+    train records, in which a resumed run's re-done steps replace the lost ones) over the wall time from
+    the first agent's start to the last one's end (or to the newest step, for a job that has not ended
+    or whose agents were killed). '' without timed train records (a run from before they had `time`)."""
+    start = min((e["t"] for e in events if e["kind"] == "start"), default=None)
+    timed = [r for r in train if isinstance(r.get("time"), (int, float)) and isinstance(r.get("step_time"),
+                                                                                        (int, float))]
+    if start is None or not timed:
+        return ""
+    ends = [e["t"] for e in events if e["kind"] == "end"]
+    last = max(r["time"] for r in timed)
+    ended = bool(ends) and max(ends) >= last
+    end = max(ends) if ended else last
+    steps = [r for r in timed if start <= r["time"] <= end]
+    if end <= start or not steps:
+        return ""
+    productive = sum(r["step_time"] for r in steps)
+    to = "the last one's end" if ended else "the newest step"
+    return (f"ETTR {100 * productive / (end - start):.1f}% ({productive:.0f} s of training steps in "
+            f"{end - start:.0f} s from the first agent's start to {to})")
 
 
 def restart_seconds(events: list[dict]) -> list[float]:
@@ -680,7 +712,7 @@ def render(run_dir: Path, out: Path, steps: tuple[int, int] | None = None) -> st
         "breakdown": section_breakdown(page, recs, bd, why, steps),
         "stragglers": section_stragglers(page, recs, traced),
         "checkpoints": section_checkpoints(page, recs),
-        "faults": section_faults(run_dir),
+        "faults": section_faults(run_dir, recs.get("train", [])),
         "timeline": section_timeline(run_dir, out, (run_dir / "trace").is_dir()),
     }
     nav = "".join(f'<a href="#{s}">{TITLES[s]}</a>' for s in SECTIONS)
