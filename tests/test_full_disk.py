@@ -90,11 +90,11 @@ def reference(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     shutil.copy(ROOT / "data" / "shakespeare" / "sonnets_gut.txt", corpus)
     ref = _train(tmp / "ref", tmp / "ref_ck", corpus)
     assert ref.returncode == 0, ref.stderr
-    return corpus, read_model_state(tmp / "ref_ck" / "step_000120")[1]
+    return corpus, read_model_state(tmp / "ref_ck" / "step_000120")[1], tmp / "ref"
 
 
 def test_a_run_directory_that_fills_up_costs_its_records_not_the_run(small_disk, tmp_path, reference):
-    corpus, want = reference
+    corpus, want, _ = reference
     disk = small_disk("64k")  # the metrics, trace and TensorBoard of ~45 of the 120 steps (~170 KB in all)
     r = _train(disk / "run", tmp_path / "ck", corpus)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -113,7 +113,7 @@ def test_a_job_restarts_on_a_run_directory_that_filled_up(small_disk, tmp_path, 
     """The disk fills up mid-run (~step 45), then the worker dies at step 90: the restart starts on the full
     disk (its lock's holder line, its in-flight record, its trace all refused) and resumes to the end, with
     the weights of the run that met neither. Before, every restart crashed writing the lock file."""
-    corpus, want = reference
+    corpus, want, _ = reference
     disk = small_disk("64k")
     r = _train(disk / "run", tmp_path / "ck", corpus, fault="kill@step:90")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -190,3 +190,19 @@ def _host() -> str:
     from megascale.fault.inject import host_id
 
     return host_id()
+
+
+def test_a_report_timeline_or_export_to_a_full_disk_is_one_line_and_leaves_nothing(small_disk, reference):
+    disk = small_disk("64k")
+    _fill(disk)
+    out = disk / "out"
+    ckpt = reference[2].parent / "ref_ck" / "step_000120"
+    for verb, args, said in (
+            ("report", [reference[2], "-o", out], f"cannot write the report to {out} (No space left on "),
+            ("timeline", [reference[2], "-o", out], f"cannot write the timeline to {out} (No space left on "),
+            ("export", [ckpt, "--format", "hf", "--output", out], f"--output {out}: cannot be written (")):
+        r = subprocess.run([sys.executable, "-m", "megascale", verb, *map(str, args)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith(f"megascale {verb}: error: {said}") and r.stderr.count("\n") == 1, r.stderr
+        assert sorted(p.name for p in disk.iterdir()) == ["filler"]  # no part of it holds the disk

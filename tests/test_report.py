@@ -369,6 +369,19 @@ def test_no_metrics_is_one_clear_error(tmp_path, capsys):
     assert err.count("\n") == 1 and "no metrics.jsonl" in err
 
 
+def test_an_output_that_cannot_be_written_is_one_clear_error(tmp_path, capsys):
+    from megascale.cli import main
+
+    run = make_run(tmp_path / "run")
+    (tmp_path / "file").write_text("")
+    for verb in ("report", "timeline"):
+        out = tmp_path / "file" / f"{verb}.out"  # under a file: no such directory can be made
+        assert main([verb, str(run), "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith(f"megascale {verb}: error: cannot write the {verb} to {out} ("), err
+
+
 def test_cli_parser(tmp_path, capsys):
     import argparse
 

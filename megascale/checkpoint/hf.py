@@ -236,12 +236,19 @@ def save_hf(m: ModelConfig, state: dict[str, Tensor], output: str | Path, force:
         generation = {"bos_token_id": eos_id, "eos_token_id": eos_id,
                       "suppress_tokens": list(range(tokenizer_vocab, m.vocab_size))}
 
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise UserError(f"--output {out}: cannot be written ({e.strerror or e})") from None
+    try:
+        try:
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        except SafetensorError as e:  # its own error for an I/O failure (a full disk)
+            raise OSError(str(e).removeprefix("Error while serializing: ")) from None
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         if generation is not None:
             (tmp / GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")
@@ -254,6 +261,8 @@ def save_hf(m: ModelConfig, state: dict[str, Tensor], output: str | Path, force:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
+    except OSError as e:  # a full disk: one line, and nothing of it left (an existing output stays)
+        raise UserError(f"--output {out}: cannot be written ({e.strerror or e})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only left over when something failed
     return config["model_type"]

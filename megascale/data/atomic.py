@@ -47,6 +47,18 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
+def write_command_output(path: str | Path, text: str, what: str) -> None:
+    """A command's output file (`what`: "the report"), atomically; one that cannot be written (a full
+    disk, no permission) is a UserError naming it, with no part of it left behind."""
+    from megascale.errors import UserError
+
+    try:
+        write_text_atomic(path, text)
+    except OSError as e:
+        raise UserError(f"cannot write {what} to {path} ({e.strerror or e}); choose another file with -o"
+                        ) from None
+
+
 def fsync(path: str | Path) -> None:
     """Flush a file's (or a directory's: its entries') data to disk."""
     fd = os.open(path, os.O_RDONLY)

@@ -26,6 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from megascale.data.atomic import write_command_output
 from megascale.errors import UserError
 
 SECTIONS = ("summary", "loss", "throughput", "startup", "breakdown", "stragglers", "checkpoints", "faults",
@@ -737,9 +738,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, steps: str 
         raise UserError(str(e)) from None
     out = Path(out) if out else run_dir / "report.html"
     text = render(run_dir, out, window)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(out)  # a reader (a browser refreshing it) never sees half a page
+    write_command_output(out, text, "the report")  # a browser refreshing it never sees half a page
     return out
 
 

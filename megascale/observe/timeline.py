@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megascale.data.atomic import write_command_output
 from megascale.observe.timers import STREAMS
 from megascale.observe.trace import RankTrace, p2p_pairs, read_run
 
@@ -95,7 +96,5 @@ def write_timeline(run_dir: str | Path, out: str | Path | None = None, group_by:
     trace = build_timeline(ranks, group_by, steps)
     out = Path(out) if out else Path(run_dir) / ("timeline.json" if group_by == "rank"
                                                  else f"timeline_by_{group_by}.json")
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(trace, separators=(",", ":")))
-    tmp.replace(out)
+    write_command_output(out, json.dumps(trace, separators=(",", ":")), "the timeline")
     return out
