@@ -206,3 +206,22 @@ def test_a_report_timeline_or_export_to_a_full_disk_is_one_line_and_leaves_nothi
         assert r.returncode == 2, r.stderr
         assert r.stderr.startswith(f"megascale {verb}: error: {said}") and r.stderr.count("\n") == 1, r.stderr
         assert sorted(p.name for p in disk.iterdir()) == ["filler"]  # no part of it holds the disk
+
+
+def test_a_dataset_built_onto_a_full_disk_is_one_line_naming_its_output(small_disk, reference):
+    """`megascale preprocess` whose output fills the disk mid-way (and `megascale train` building data.path
+    from data.source there): one line naming the output setting, exit 2, no part of the dataset left."""
+    corpus = reference[0]
+    disk = small_disk("64k")  # the sonnets as uint16 tokens are ~200 KB
+    ds, run = disk / "ds", reference[2].parent / "r"
+    for cmd, said in (
+            (["preprocess", "--no-progress", "--input", corpus, "--output", ds],
+             "preprocess: error: --output"),
+            (["train", "model.n_layers=1", "train.steps=1", f"data.source={json.dumps(str(corpus))}",
+              f"data.path={json.dumps(str(ds))}", f"train.run_dir={run}"], "train: error: data.path")):
+        r = subprocess.run([sys.executable, "-m", "megascale", *map(str, cmd)], cwd=ROOT, text=True,
+                           capture_output=True, timeout=120)
+        assert r.returncode == 2, r.stderr[-2000:]
+        want = f"megascale {said}: {disk / 'ds.bin'} cannot be written (No space left on device)"
+        assert r.stderr.strip().splitlines()[-1] == want, r.stderr[-2000:]
+        assert not list(disk.iterdir())

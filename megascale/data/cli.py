@@ -47,7 +47,7 @@ def _preprocess(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UserError(f"--workers: must be >= 1, got {args.workers}")
     stats = preprocess(args.input, args.output, args.tokenizer, workers=args.workers,
-                       progress=not args.no_progress, field="--input")
+                       progress=not args.no_progress, field="--input", output_field="--output")
     print(f"wrote {stats}", file=sys.stdout)
     return 0
 

@@ -40,7 +40,7 @@ def ensure_dataset(data_cfg: DataConfig, progress: bool = True) -> str:
                         "(run `megascale preprocess` or set data.source)")
     expand_inputs([data_cfg.source], field="data.source")  # a bad source is named as such, up front
     preprocess([data_cfg.source], prefix, data_cfg.tokenizer, workers=data_cfg.preprocess_workers,
-               progress=progress, field="data.source")
+               progress=progress, field="data.source", output_field="data.path")
     return prefix
 
 

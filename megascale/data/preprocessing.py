@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from megascale.data.atomic import atomic_outputs
+from megascale.data.atomic import atomic_outputs, temp_name
 from megascale.data.indexed import encode_index, paths, token_dtype
 from megascale.data.sources import Task, expand_inputs, iter_tasks, load_document
 from megascale.data.tokenizer import Tokenizer, build_tokenizer
@@ -60,13 +60,15 @@ def preprocess(
     workers: int = 1,
     progress: bool = True,
     field: str = "input",
+    output_field: str = "output",
 ) -> PreprocessStats:
     """Tokenise `inputs` (files, directories, globs of .txt / .jsonl) into `output_prefix`.
 
     Each document is followed by the tokenizer's EOS. Empty documents are skipped. The
     files appear only when complete: on any error or interruption nothing is left behind
     (and an existing dataset at `output_prefix` is untouched). `field` names the setting
-    the inputs came from, for error messages.
+    the inputs came from, `output_field` the one of `output_prefix`, for error messages (a full disk
+    is one of them).
     """
     if workers < 1:
         raise UserError(f"workers: must be >= 1, got {workers}")
@@ -78,6 +80,15 @@ def preprocess(
     start = time.perf_counter()
     lengths: list[int] = []
     skipped = 0
+
+    def unwritable(e: OSError) -> UserError:
+        return UserError(f"{output_field}: {bin_path} cannot be written ({e.strerror or e})")
+
+    try:
+        bin_path.parent.mkdir(parents=True, exist_ok=True)
+        open(temp_name(bin_path), "wb").close()  # where the output cannot be written, say so before the work
+    except OSError as e:
+        raise unwritable(e) from None
     with atomic_outputs(bin_path, idx_path) as (tmp_bin, tmp_idx):
         with (
             open(tmp_bin, "wb") as out,
@@ -92,14 +103,24 @@ def preprocess(
                 if len(ids) == 0:  # an empty document: left out, but counted
                     skipped += 1
                     continue
-                out.write(ids.tobytes())
+                try:
+                    out.write(ids.tobytes())
+                except OSError as e:  # a full disk: one line; atomic_outputs removes the part written
+                    raise unwritable(e) from None
                 lengths.append(len(ids))
+            try:
+                out.flush()  # here, not in the close that ends the with, where its error would be a traceback
+            except OSError as e:
+                raise unwritable(e) from None
         if not lengths:
             raise UserError(f"{field}: {', '.join(map(str, files[:3]))}{' ...' * (len(files) > 3)} "
                             "contain no non-empty documents")
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        tmp_idx.write_bytes(encode_index(dtype, tok.vocab_size, tok.name, offsets))
+        try:
+            tmp_idx.write_bytes(encode_index(dtype, tok.vocab_size, tok.name, offsets))
+        except OSError as e:
+            raise unwritable(e) from None
     return PreprocessStats(
         prefix=str(bin_path)[:-4], docs=len(lengths), tokens=int(offsets[-1]),
         seconds=time.perf_counter() - start, input_bytes=total_bytes, skipped=skipped, dtype=dtype.name,
