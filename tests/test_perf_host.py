@@ -190,3 +190,23 @@ def test_calibration_keeps_the_kernels_curve_when_the_host_measurement_fails(tmp
     assert stored["gemm"]["max_efficiency"] == out["gemm"]["max_efficiency"] > 0
     assert all(stored["gemm"][t] == 0.0 for t in host.TERMS)
     assert "tp 2 failed" in stored["host_times"]["error"]
+
+
+def test_a_calibration_that_cannot_be_stored_is_one_clear_error(tmp_path, monkeypatch):
+    """Minutes of measuring, then a store that fails (a full disk, a cache directory under a file): one line
+    that says where and what to do, and no half-written file for the planner to choke on later."""
+    from megascale.errors import UserError
+    from megascale.perf import calibrate, hardware
+
+    monkeypatch.setattr(hardware, "measure_cpu_peak", lambda *a, **k: 1e11)
+    points = [{"m": m, "n": n, "k": k, "seconds": 1e-5 + 2 * m * n * k / 5e10}
+              for m, n, k in calibrate.SHAPES]
+    measured = {"points": points, "overhead_s": 1e-5, "memory_bw": 2e10, "gelu_fwd_s": 0.0, "gelu_bwd_s": 0.0,
+                "silu_fwd_s": 0.0, "silu_bwd_s": 0.0,
+                "attention": {"b": 8, "h": 4, "s": 256, "d": 64, "seconds": 1e-2}}
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: measured)
+    monkeypatch.setattr(host, "measure", lambda *a, **k: ({t: 0.0 for t in host.TERMS}, {}))
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "cpu.json"
+    with pytest.raises(UserError, match=f"cannot store the calibration in {out} .*MEGASCALE_CACHE"):
+        calibrate.calibrate(load_preset("cpu", use_calibration=False), out=out)

@@ -206,8 +206,13 @@ def calibrate(preset: ClusterPreset, out: Path | None = None, clock: str = "wall
         "clock": clock,
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    from megascale.data.atomic import write_text_atomic  # (perf/ imports no runtime at module level)
+
     path = out or calibration_path(preset.name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    try:  # atomically: a full disk leaves the calibration before, not half a file the planner cannot read
+        write_text_atomic(path, json.dumps(result, indent=1))
+    except OSError as e:
+        raise UserError(f"cannot store the calibration in {path} ({e.strerror or e}); free space there or "
+                        "set MEGASCALE_CACHE to a writable directory") from None
     result["path"] = str(path)
     return result
