@@ -107,6 +107,13 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     assert re.search(detected, f"{seen['kind']}: {seen['detail']}"), seen
     assert set(events[2]["phases"]) == {"stopped", "rendezvous", "workers started"}
     assert events[-1]["code"] == 0 and events[0]["nproc_per_node"] == 2
+    from megascale.observe.metrics import read_metrics
+    from megascale.observe.report import ettr_text
+
+    train = read_metrics(run / "metrics.jsonl", "train")  # each record with its wall clock
+    assert all(events[0]["t"] <= r["time"] <= events[-1]["t"] for r in train)
+    assert re.fullmatch(r"ETTR [\d.]+% \([\d.]+ s of training steps in [\d.]+ s from the first agent's start "
+                        r"to the last one's end\)", ettr_text(events, train))
 
 
 def test_a_fault_before_the_first_snapshot_restarts_from_scratch_in_the_same_files(tmp_path, data, reference):

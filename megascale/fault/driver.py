@@ -105,7 +105,6 @@ def make_agent_class():
             self._intervals: list[float] = []  # seconds per step seen in the beats (the auto hang timeout)
             self._healthy = False  # the last monitor tick found the workers healthy
             self._phases: dict[str, float] | None = None  # the restart in progress: phase -> seconds
-            self.events: list[dict] = []
 
         # ---------------------------------------------------------------- the rendezvous store
 
@@ -269,7 +268,6 @@ def make_agent_class():
 
         def _event(self, kind: str, detail: str) -> None:
             left, most = self._remaining_restarts, self._worker_group.spec.max_restarts
-            self.events.append({"kind": kind, "detail": detail, "t": time.time(), "restarts_left": left})
             self._log(kind, detail=detail, restart=most - left + 1 if left > 0 else None, max_restarts=most)
             then = (f"restarting the job (restart {most - left + 1} of {most})" if left > 0
                     else f"no restarts left (fault.max_restarts={most}): the job fails")
