@@ -337,6 +337,19 @@ def test_a_hung_rank_is_named_and_the_job_goes_on_without_its_host(request, tmp_
     layouts = [r["dp"] for r in read_metrics(run / "metrics.jsonl", "layout")]
     assert layouts[0] == 2 and layouts[-1] == 1, layouts
     _close(run, reference)
+    # each agent's own event log in the shared run directory (fault/events.py), and the report's account
+    from megascale.fault.events import log_path, read_events
+    from megascale.observe.report import section_faults
+
+    by_host = {h: [e for e in read_events(run) if e["host"] == h] for h in (cluster.addr(0), a1)}
+    assert all(log_path(run, h).is_file() for h in by_host)
+    kinds = {h: [e["kind"] for e in events] for h, events in by_host.items()}
+    assert kinds[a1][0] == "start" and "evicted" in kinds[a1] and by_host[a1][-1]["code"] == 4, kinds
+    assert kinds[cluster.addr(0)][0] == "start" and "restart" in kinds[cluster.addr(0)], kinds
+    assert by_host[cluster.addr(0)][-1] == {**by_host[cluster.addr(0)][-1], "kind": "end", "code": 0}, kinds
+    assert any(k == "hang" for ks in kinds.values() for k in ks), kinds
+    page = section_faults(run, read_metrics(run / "metrics.jsonl", "train"))
+    assert "2 agent start(s) on 2 host(s)" in page and "1 host(s) evicted" in page and "ETTR " in page, page
 
 
 def test_a_full_disk_and_a_rotten_shard_cost_checkpoints_not_the_run(request, tmp_path, data, reference):
