@@ -225,3 +225,21 @@ def test_a_dataset_built_onto_a_full_disk_is_one_line_naming_its_output(small_di
         want = f"megascale {said}: {disk / 'ds.bin'} cannot be written (No space left on device)"
         assert r.stderr.strip().splitlines()[-1] == want, r.stderr[-2000:]
         assert not list(disk.iterdir())
+
+
+def test_a_restarts_in_flight_record_on_a_full_disk_drops_the_old_layout(small_disk, capsys):
+    """A restart's in-flight record on a disk that filled up since: its file is zeroed in place (its blocks
+    are there) and mapped; its sidecar with the groups cannot be rewritten, so the earlier start's (another
+    layout's, after a shrink) goes rather than be read beside the new words."""
+    from megascale.observe.inflight import InFlight, read_record
+
+    d = small_disk("64k") / "inflight"
+    InFlight(d, 0, {"world": [0, 1, 2, 3], "dp": [0, 2]}, host="h", coords={"dp": 0})
+    assert read_record(d, 0)["groups"] == {"world": [0, 1, 2, 3], "dp": [0, 2]}
+    _fill(d.parent)
+    again = InFlight(d, 0, {"world": [0, 1]}, host="h", coords={})  # the job shrank to 2 ranks
+    assert again.shared and (d / "rank_00000.bin").stat().st_size > 0
+    assert read_record(d, 0) is None  # no reader pairs the new words with the old groups
+    err = capsys.readouterr().err
+    said = f"in-flight record of rank 0: cannot write {d / 'rank_00000.json'} (No space left on device)"
+    assert said in err, err

@@ -105,6 +105,8 @@ class InFlight:
                 os.replace(tmp, self.dir / f"rank_{rank:05d}.json")
             except OSError as e:  # the words are there, but no reader finds a record without this file
                 tmp.unlink(missing_ok=True)
+                # nor with an earlier start's, whose groups may be another layout's (a shrink since)
+                (self.dir / f"rank_{rank:05d}.json").unlink(missing_ok=True)
                 say(f"in-flight record of rank {rank}: cannot write {tmp.with_suffix('')} "
                     f"({e.strerror or e}); a hang's diagnosis will not see this rank's ops; training goes on")
         self._seq = [0] * len(self.groups)
