@@ -303,7 +303,7 @@ def test_report_has_every_section_and_is_self_contained(tmp_path):
                    "from a fault seen to the workers started again: median 4.0 s, longest 9.0 s, 14.5 s in "
                    "all",
                    "worker exit codes {5: -9}; restart 1 of 3", "stopped 0.20 s, rendezvous 1.10 s",
-                   "exit 0 after 400 s", "+209.0",
+                   "exit 0 (done) after 400 s", "+209.0",
                    "The phases of the latest start add up to 7.85 s.",  # not its wall clock (time)
                    # 60 steps of 0.37 s in the 400.2 s from node0's start to node1's end
                    "ETTR 5.5% (22 s of training steps in 400 s from the first agent&#x27;s start to the last "
@@ -342,6 +342,15 @@ def test_ettr_of_a_job_that_has_not_ended_runs_to_its_newest_step():
     early = [{"step": 0, "step_time": 40.0, "time": 10.0}]
     assert report.ettr_text(events, early + train) == report.ettr_text(events, train)
     assert report.ettr_text(events, [{"step": 1, "step_time": 2.0}]) == ""  # records without `time`
+
+
+def test_an_agents_end_says_what_its_exit_code_means():
+    def end(code):
+        return report.event_text({"kind": "end", "code": code, "seconds": 25.1})
+
+    assert [end(c) for c in (0, 4, 143, 1)] == [
+        "exit 0 (done) after 25 s", "exit 4 (this host evicted) after 25 s", "exit 143 (SIGTERM) after 25 s",
+        "exit 1 after 25 s"]
 
 
 def test_heat_map_mesh_without_a_layout_record():

@@ -20,6 +20,7 @@ import datetime
 import html
 import json
 import os
+import signal
 import statistics
 import tomllib
 from collections import defaultdict
@@ -652,7 +653,14 @@ def event_text(e: dict) -> str:
         return f"job {e.get('run_id', '?')}, hosts {e.get('nnodes', '?')}, {e.get('nproc_per_node', '?')} " \
                f"workers, agent pid {e.get('pid', '?')}"
     if e["kind"] == "end":
-        return f"exit {e.get('code', '?')} after {e.get('seconds', 0):.0f} s"
+        code = e.get("code", "?")
+        why = {0: " (done)", 2: " (a user error)", 4: " (this host evicted)"}.get(code, "")
+        if isinstance(code, int) and code > 128:  # the agent was stopped: 143 is a scheduler's SIGTERM
+            try:
+                why = f" ({signal.Signals(code - 128).name})"
+            except ValueError:
+                pass
+        return f"exit {code}{why} after {e.get('seconds', 0):.0f} s"
     then = ""
     if isinstance(e.get("max_restarts"), int):
         then = (f"; restart {e['restart']} of {e['max_restarts']}" if isinstance(e.get("restart"), int)
