@@ -245,10 +245,7 @@ def save_hf(m: ModelConfig, state: dict[str, Tensor], output: str | Path, force:
     except OSError as e:
         raise UserError(f"--output {out}: cannot be written ({e.strerror or e})") from None
     try:
-        try:
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        except SafetensorError as e:  # its own error for an I/O failure (a full disk)
-            raise OSError(str(e).removeprefix("Error while serializing: ")) from None
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         if generation is not None:
             (tmp / GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")
@@ -261,8 +258,9 @@ def save_hf(m: ModelConfig, state: dict[str, Tensor], output: str | Path, force:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
-    except OSError as e:  # a full disk: one line, and nothing of it left (an existing output stays)
-        raise UserError(f"--output {out}: cannot be written ({e.strerror or e})") from None
+    except (OSError, SafetensorError) as e:  # (safetensors' own error for an I/O failure: a full disk)
+        # one line, and nothing of it left (an existing output stays)
+        raise UserError(f"--output {out}: cannot be written ({getattr(e, 'strerror', None) or e})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only left over when something failed
     return config["model_type"]

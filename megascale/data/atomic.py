@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from megascale.errors import UserError
+
 
 def temp_name(final: Path) -> Path:
     """A sibling of `final` (same directory, so same filesystem) unique to this process."""
@@ -50,8 +52,6 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 def write_command_output(path: str | Path, text: str, what: str) -> None:
     """A command's output file (`what`: "the report"), atomically; one that cannot be written (a full
     disk, no permission) is a UserError naming it, with no part of it left behind."""
-    from megascale.errors import UserError
-
     try:
         write_text_atomic(path, text)
     except OSError as e:
