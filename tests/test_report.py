@@ -344,6 +344,30 @@ def test_ettr_of_a_job_that_has_not_ended_runs_to_its_newest_step():
     assert report.ettr_text(events, [{"step": 1, "step_time": 2.0}]) == ""  # records without `time`
 
 
+def test_ettr_leaves_out_the_wait_between_launches_and_keeps_a_killed_agents_steps():
+    """A job requeued by its scheduler: its first launch ran 100 s and was killed with its machine (no `end`
+    line: its last step is its last sign of life), then 1000 s in a queue, then a second launch of 100 s.
+    The queue is not the job's to lose; the first launch's 100 s are."""
+    first = [{"t": 0.0, "host": "a", "kind": "start"}]
+    second = [{"t": 1100.0, "host": "a", "kind": "start"},
+              {"t": 1200.0, "host": "a", "kind": "end", "code": 0}]
+    train = [{"step": s, "step_time": 2.0, "time": 4.0 * s} for s in range(1, 26)]  # to t = 100
+    train += [{"step": 25 + s, "step_time": 2.0, "time": 1100.0 + 4 * s} for s in range(1, 26)]
+    times = sorted(r["time"] for r in train)
+    assert report.agent_spans(first + second, times) == [(0.0, 100.0), (1100.0, 1200.0)]
+    assert report.ettr_text(first + second, train) == (
+        "ETTR 50.0% (100 s of training steps in 200 s from the first agent's start to the last one's end, "
+        "less 1000 s between launches with no agent running)")
+    # two hosts' agents overlap: their time counts once; one host's restarted agent does not split it
+    two = [{"t": 0.0, "host": "a", "kind": "start"}, {"t": 1.0, "host": "b", "kind": "start"},
+           {"t": 60.0, "host": "b", "kind": "end", "code": 4}, {"t": 70.0, "host": "b", "kind": "start"},
+           {"t": 100.0, "host": "a", "kind": "end", "code": 0},
+           {"t": 100.0, "host": "b", "kind": "end", "code": 0}]
+    assert report.agent_spans(two, [50.0]) == [(0.0, 100.0)]
+    assert report.ettr_text(two, train[:25]) == ("ETTR 50.0% (50 s of training steps in 100 s from the first "
+                                                 "agent's start to the last one's end)")
+
+
 def test_an_agents_end_says_what_its_exit_code_means():
     def end(code):
         return report.event_text({"kind": "end", "code": code, "seconds": 25.1})

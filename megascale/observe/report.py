@@ -16,6 +16,7 @@ one line. Charts are plotly figures with plotly.js inlined once, so the file ope
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime
 import html
 import json
@@ -610,25 +611,62 @@ def section_faults(run_dir: Path, train: list[dict]) -> str:
 
 def ettr_text(events: list[dict], train: list[dict]) -> str:
     """ETTR, MegaScale's effective training time ratio: the seconds of the steps that count (the run's
-    train records, in which a resumed run's re-done steps replace the lost ones) over the wall time from
-    the first agent's start to the last one's end (or to the newest step, for a job that has not ended
-    or whose agents were killed). '' without timed train records (a run from before they had `time`)."""
-    start = min((e["t"] for e in events if e["kind"] == "start"), default=None)
+    train records, in which a resumed run's re-done steps replace the lost ones) over the wall time in
+    which an agent of the job ran (`agent_spans`): from the first agent's start to the last one's end
+    (or to the newest step, for a job that has not ended or whose agents were killed), less the time
+    between launches with no agent at all (a requeued job's wait in its scheduler's queue is not the
+    job's to lose). '' without timed train records (a run from before they had `time`)."""
     timed = [r for r in train if isinstance(r.get("time"), (int, float)) and isinstance(r.get("step_time"),
                                                                                         (int, float))]
-    if start is None or not timed:
-        return ""
-    ends = [e["t"] for e in events if e["kind"] == "end"]
-    last = max(r["time"] for r in timed)
-    ended = bool(ends) and max(ends) >= last
-    end = max(ends) if ended else last
-    steps = [r for r in timed if start <= r["time"] <= end]
-    if end <= start or not steps:
+    spans = agent_spans(events, sorted(r["time"] for r in timed))
+    steps = [r for r in timed if any(a <= r["time"] <= b for a, b in spans)]
+    wall = sum(b - a for a, b in spans)
+    if wall <= 0 or not steps:
         return ""
     productive = sum(r["step_time"] for r in steps)
-    to = "the last one's end" if ended else "the newest step"
-    return (f"ETTR {100 * productive / (end - start):.1f}% ({productive:.0f} s of training steps in "
-            f"{end - start:.0f} s from the first agent's start to {to})")
+    ends = [e["t"] for e in events if e["kind"] == "end"]
+    to = "the last one's end" if ends and max(ends) >= spans[-1][1] else "the newest step"
+    idle = spans[-1][1] - spans[0][0] - wall
+    less = f", less {idle:.0f} s between launches with no agent running" if idle >= 0.5 else ""
+    return (f"ETTR {100 * productive / wall:.1f}% ({productive:.0f} s of training steps in {wall:.0f} s "
+            f"from the first agent's start to {to}{less})")
+
+
+def agent_spans(events: list[dict], step_times: list[float]) -> list[tuple[float, float]]:
+    """The stretches of wall time in which at least one agent of the job ran, in order, not overlapping:
+    per host, each start to its end; an agent that left no end (killed with its machine) to its last
+    sign of life, the later of its own last event and the newest train record (`step_times`, sorted)
+    before its host's next start (for the newest agent: the newest record)."""
+    by_host: dict[Any, list[dict]] = defaultdict(list)
+    for e in events:
+        by_host[e.get("host")].append(e)
+
+    def alive_until(opened: float, seen: float, before: float = float("inf")) -> float:
+        i = bisect.bisect_right(step_times, before) - 1  # the newest record before `before`
+        return max(seen, step_times[i]) if i >= 0 and step_times[i] >= opened else seen
+
+    spans = []
+    for mine in by_host.values():
+        opened = seen = None
+        for e in mine:
+            if e["kind"] == "start":
+                if opened is not None:  # the earlier agent never said its end
+                    spans.append((opened, alive_until(opened, seen, e["t"])))
+                opened = seen = e["t"]
+            elif opened is not None:
+                seen = e["t"]
+                if e["kind"] == "end":
+                    spans.append((opened, seen))
+                    opened = None
+        if opened is not None:
+            spans.append((opened, alive_until(opened, seen)))
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return merged
 
 
 def restart_seconds(events: list[dict]) -> list[float]:
