@@ -252,6 +252,9 @@ class FaultConfig:
     # starts smaller. The hosts' start skew must fit in it; after an eviction with no spare coming, the
     # survivors wait it out before they train again (elastic's default: 30 s)
     rendezvous_last_call_s: float = 10.0
+    # how long a host waits in a rendezvous round for the others (--nnodes MIN of them), and for the
+    # rendezvous store to come up; then its agent gives up, saying so (torchrun's join timeout: 600 s)
+    rendezvous_timeout_s: float = 120.0
     hang_timeout_s: float = 0.0  # beats but no new step this long -> restart (0: max(60 s, 20 x median step))
     max_nan_rollbacks: int = 3  # non-finite loss: roll back to the last snapshot, skip the batch; this often
     selfcheck: bool = True  # under megascale launch: every host checks itself before each (re)start
@@ -527,6 +530,7 @@ def validate(cfg: Config) -> None:
     _positive("fault.monitor_interval_s", fc.monitor_interval_s)
     _positive("fault.rendezvous_poll_s", fc.rendezvous_poll_s, allow_zero=True)
     _positive("fault.rendezvous_last_call_s", fc.rendezvous_last_call_s)
+    _positive("fault.rendezvous_timeout_s", fc.rendezvous_timeout_s)
     if fc.heartbeat_timeout_s < 2 * fc.heartbeat_interval_s:
         raise ConfigError(f"fault.heartbeat_timeout_s: {fc.heartbeat_timeout_s} s is under two heartbeats "
                           f"(fault.heartbeat_interval_s={fc.heartbeat_interval_s}): one late beat would "

@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from megascale.checkpoint.model_state import read_model_state
+from megascale.observe.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len=16", "model.dropout=0.0",
@@ -107,7 +110,6 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     assert re.search(detected, f"{seen['kind']}: {seen['detail']}"), seen
     assert set(events[2]["phases"]) == {"stopped", "rendezvous", "workers started"}
     assert events[-1]["code"] == 0 and events[0]["nproc_per_node"] == 2
-    from megascale.observe.metrics import read_metrics
     from megascale.observe.report import ettr_text
 
     train = read_metrics(run / "metrics.jsonl", "train")  # each record with its wall clock
@@ -165,6 +167,49 @@ def test_launch_checks_its_own_arguments(tmp_path, data):
                         f"train.run_dir={tmp_path}/run"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "checkpoint.resume" in r.stderr, r.stderr
+
+
+def test_sigterm_to_a_worker_stops_the_job_with_a_checkpoint_and_no_restart(tmp_path, data):
+    """A SIGTERM that reaches a worker and not its agent (another host's agent preempted by its scheduler:
+    the ranks agree to stop together): every rank saves and exits 143, and the agent ends the same way.
+    Before, it read 143 as a crash and restarted; on a multi-host job it then waited for the stopped host
+    until the rendezvous timed out (a traceback, exit 1)."""
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "megascale", "launch", "--nproc-per-node", "2", "--config",
+            "configs/cpu_default.toml", *JOB, *data, f"train.run_dir={run}", "train.steps=4000"]
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, metrics = time.time() + 120, run / "metrics.jsonl"
+    while time.time() < deadline and (not metrics.exists() or len(read_metrics(metrics, "train")) < 3):
+        time.sleep(0.2)
+    header = (run / "trace" / "rank_00001.jsonl").read_text().splitlines()[0]
+    os.kill(json.loads(header)["pid"], signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "stopped: every worker saved and exited on SIGTERM" in err and "restarting" not in err, err[-3000:]
+    step = int(re.search(r"stopped by SIGTERM after step (\d+)", out).group(1))
+    assert (run / "checkpoints" / f"step_{step:06d}").is_dir() and step < 4000
+    from megascale.fault.events import read_events
+
+    assert [e["kind"] for e in read_events(run)] == ["start", "stopped", "end"]
+    assert read_events(run)[-1]["code"] == 143
+
+
+def test_a_round_that_never_fills_is_one_line(tmp_path, data):
+    """`--nnodes 2` with one host started: after fault.rendezvous_timeout_s the agent says what it waited
+    for and exits 1 (before: elastic's RendezvousTimeoutError traceback, after a fixed 120 s)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "megascale", "launch", "--nnodes", "2", "--nproc-per-node", "1",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--config", "configs/cpu_default.toml", *JOB,
+                        *data, f"train.run_dir={tmp_path}/run", "fault.rendezvous_timeout_s=2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        "megascale launch: no rendezvous round formed within fault.rendezvous_timeout_s = 2 s: fewer than 2 "
+        f"host(s) joined at 127.0.0.1:{port} (--nnodes 2). Is every host's agent started, with the same "
+        "--rdzv-endpoint and --rdzv-id?"), r.stderr[-3000:]
 
 
 def test_a_host_that_fails_its_self_check_is_not_restarted(tmp_path, data):

@@ -57,7 +57,8 @@ from megascale.fault import blocklist, rendezvous
 from megascale.fault.events import EventLog
 
 _log = logging.getLogger("megascale.launch")
-JOIN_TIMEOUT_S = 120  # how long a host waits for the others in a rendezvous round
+# a worker's exit code when every rank agreed to stop on a signal (SIGINT, SIGTERM) and saved (train.py)
+STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 # The rounds' store's timeout (the workers' master address, elastic's exit barrier; elastic's default is
 # 60 s). It bounds waiting for a key and the first connection (so an agent first waits for the store's
 # port to open: `_wait_for_store`), not a call on a connection whose peer went silent, which returns only
@@ -142,10 +143,11 @@ def make_agent_class():
 
         def _rendezvous(self, worker_group) -> None:
             # a new round right after a fault may find the store out of reach for a while (the link that
-            # failed, the store's host restarting): retry for the join timeout, then fail as elastic does
+            # failed, the store's host restarting): retry for the rendezvous timeout, then fail as elastic
+            # does
             from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-            deadline = time.monotonic() + JOIN_TIMEOUT_S
+            deadline = time.monotonic() + self.fault.rendezvous_timeout_s
             while True:
                 try:
                     self._timed("rendezvous", super()._rendezvous, worker_group)
@@ -182,6 +184,14 @@ def make_agent_class():
                 elif _final(codes, 2):
                     self._remaining_restarts = 0  # a user error: restarting cannot help
                     self._log("user error", detail="the workers' line is above: not restarted")
+                elif any(_final(codes, c) for c in STOPPED):
+                    # every rank agreed to stop, saved and exited: a signal to a worker, or to another host's
+                    # agent (a scheduler preempting one pod or VM). The job was told to stop, not broken
+                    self._remaining_restarts = 0
+                    name = signal.Signals(max(codes) - 128).name
+                    self._log("stopped", detail=f"the workers saved and exited on {name}: not restarted")
+                    _say(f"stopped: every worker saved and exited on {name} (sent to a worker here or to "
+                         "another host's launch); not restarted: run the same command to resume")
                 else:
                     worst = {r: f.exitcode for r, f in result.failures.items()}
                     self._event("crash", f"worker exit codes {worst}")
@@ -408,7 +418,7 @@ def rendezvous_configs(min_nodes: int, max_nodes: int, fault: FaultConfig) -> di
     # some skew, and a round closed early would run smaller than it could); with MIN = MAX a round
     # closes as the last host joins, and this never runs
     last_call = 2 if min_nodes == max_nodes else fault.rendezvous_last_call_s
-    rdzv = {"join_timeout": JOIN_TIMEOUT_S, "last_call_timeout": last_call, "close_timeout": 10,
+    rdzv = {"join_timeout": fault.rendezvous_timeout_s, "last_call_timeout": last_call, "close_timeout": 10,
             "poll_interval": fault.rendezvous_poll_s}
     if max_nodes > 1:  # a dead host leaves the rendezvous after 3 missed 1 s keep-alives, not 15 s
         rdzv |= {"keep_alive_interval": 1, "keep_alive_max_attempt": 3, "read_timeout": STORE_READ_TIMEOUT_S}
@@ -476,11 +486,11 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
                rdzv_endpoint: str, argv: tuple[str, ...], t0: float, log: EventLog) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if max_nodes > 1:  # after the blocklist: an evicted host leaves at once, store or no store
-        _wait_for_store(rdzv_endpoint, JOIN_TIMEOUT_S)
+        _wait_for_store(rdzv_endpoint, fault.rendezvous_timeout_s)
     rendezvous.register()
     config = LaunchConfig(rdzv_backend=rendezvous.BACKEND, rdzv_endpoint=rdzv_endpoint, **config_args)
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
@@ -490,7 +500,7 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
             elastic_launch(config, entrypoint=sys.executable)(*argv)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        for final in (4, 2):  # the workers said why (a failed self-check, a user error)
+        for final in (4, 2, *STOPPED):  # the workers said why (a failed self-check, a user error, a stop)
             if _final(codes, final):
                 return final
         _say(f"the job failed after {time.time() - t0:.0f} s:\n{e.format_msg()}")
@@ -503,10 +513,17 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
         banned = blocklist.entry(run_dir, store_host)
         gone = (f"its host {store_host} was evicted ({banned.get('reason')}) and does not come back"
                 if banned is not None
-                else f"its host {store_host} has been out of reach for {JOIN_TIMEOUT_S} s")
+                else f"its host {store_host} has been out of reach for {fault.rendezvous_timeout_s:.0f} s")
         _say(f"the rendezvous store at {rdzv_endpoint} is gone ({e}): {gone}. A store served by the agent "
              "of the --rdzv-endpoint host ends the job with it; one outside the job (megascale rdzv-store) "
              "outlives any host")
+        return 1
+    except RendezvousTimeoutError:
+        lo, hi = config_args["min_nodes"], max_nodes
+        nnodes = lo if lo == hi else f"{lo}:{hi}"
+        _say(f"no rendezvous round formed within fault.rendezvous_timeout_s = {fault.rendezvous_timeout_s:g} "
+             f"s: fewer than {lo} host(s) joined at {rdzv_endpoint} (--nnodes {nnodes}). Is every host's "
+             "agent started, with the same --rdzv-endpoint and --rdzv-id?")
         return 1
     except SignalException as e:
         return 128 + int(e.sigval)

@@ -14,6 +14,7 @@ appends from several machines to one file of a network filesystem are not atomic
     evicted    this host leaves the job (failed self-check, straggler, hang)
     selfcheck  this host failed its self-check in a one-host job (not restarted)
     user error the workers exited 2 (not restarted)
+    stopped    the workers saved and exited on SIGINT/SIGTERM (sent here or to another host): not restarted
     refused    an agent started on a host on the run's blocklist, and left
     end        the agent's last word: the job's exit code and its seconds
 
