@@ -23,8 +23,10 @@ from collections.abc import Callable, Iterator
 from megascale.errors import UserError
 
 # Exit codes of a worker that ended as asked: a user error every rank reports alike (2), a stop by
-# SIGINT or SIGTERM after the step and the save (130, 143). Its peers end the same way by themselves.
-ORDERLY = {0, 2, 128 + signal.SIGINT, 128 + signal.SIGTERM}
+# SIGINT or SIGTERM after the step and the save (130, 143: every rank agreed on it, train.py). Its peers
+# end the same way by themselves.
+STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
+ORDERLY = {0, 2, *STOPPED}
 
 
 def kill_the_rest_after_a_failure(pcontext, failed: Callable[[int], bool] = lambda code: code != 0) -> int:

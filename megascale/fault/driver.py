@@ -51,14 +51,12 @@ from contextlib import contextmanager
 
 from megascale.config import FaultConfig
 from megascale.distributed import prefork
-from megascale.distributed.launch import elastic_agent, kill_the_rest_after_a_failure
+from megascale.distributed.launch import STOPPED, elastic_agent, kill_the_rest_after_a_failure
 from megascale.errors import UserError
 from megascale.fault import blocklist, rendezvous
 from megascale.fault.events import EventLog
 
 _log = logging.getLogger("megascale.launch")
-# a worker's exit code when every rank agreed to stop on a signal (SIGINT, SIGTERM) and saved (train.py)
-STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 # The rounds' store's timeout (the workers' master address, elastic's exit barrier; elastic's default is
 # 60 s). It bounds waiting for a key and the first connection (so an agent first waits for the store's
 # port to open: `_wait_for_store`), not a call on a connection whose peer went silent, which returns only
