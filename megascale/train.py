@@ -58,6 +58,7 @@ from megascale.distributed.init import (
     init_distributed,
     set_collective_timeout,
 )
+from megascale.distributed.same_config import check_same_config
 from megascale.errors import HostCheckError, PeerHostEvicted, UserError
 from megascale.fault import blocklist
 from megascale.fault.inject import attempt, delays, fires_once, host_id, inject
@@ -111,6 +112,7 @@ class Trainer:
         if self.world_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         check_world_size(cfg, self.world_size, "the number of processes (WORLD_SIZE)")
+        check_same_config(cfg, self.dist.rank, self.world_size)  # hosts launched one by one may differ
         self.run_dir = Path(t.run_dir)
         self._lock = RunDirLock(self.run_dir) if self.is_main else None
 
