@@ -58,7 +58,7 @@ from megascale.distributed.init import (
     init_distributed,
     set_collective_timeout,
 )
-from megascale.distributed.same_config import check_same_config
+from megascale.distributed.same_config import check_same_config, check_shared_run_dir
 from megascale.errors import HostCheckError, PeerHostEvicted, UserError
 from megascale.fault import blocklist
 from megascale.fault.inject import attempt, delays, fires_once, host_id, inject
@@ -112,7 +112,7 @@ class Trainer:
         if self.world_size > 1 and self.device.type == "cuda":
             self.device = torch.device("cuda", self.dist.local_rank)
         check_world_size(cfg, self.world_size, "the number of processes (WORLD_SIZE)")
-        check_same_config(cfg, self.dist.rank, self.world_size)  # hosts launched one by one may differ
+        hosts = check_same_config(cfg, self.dist.rank, self.world_size)  # hosts launched one by one differ
         self.run_dir = Path(t.run_dir)
         self._lock = RunDirLock(self.run_dir) if self.is_main else None
 
@@ -146,6 +146,7 @@ class Trainer:
                 # storage no checkpoint can be written to: refused now, not at the first save hours in
                 Storage(storage_root(cfg, self.run_dir)).check_writable()
             init = self._initial_weights()
+        check_shared_run_dir(self.run_dir, self.dist.rank, hosts)  # its blocklist, diagnosis, checkpoints
 
         # --- build: the same seed gives the same initial weights in every run and layout
         torch.manual_seed(t.seed)

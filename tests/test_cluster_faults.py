@@ -46,7 +46,8 @@ def data(tmp_path_factory) -> list[str]:
 
 
 def _agent(cluster, host: int, run: Path, data: list[str], fault: str = "", job: str = "job",
-           nnodes: str = "2", extra: tuple[str, ...] = (), endpoint: str | None = None):
+           nnodes: str = "2", extra: tuple[str, ...] = (), endpoint: str | None = None,
+           wrap: tuple[str, ...] | list[str] = ()):
     env = {"OMP_NUM_THREADS": "1", "MEGASCALE_INJECT": fault or None}
     argv = [sys.executable, "-m", "megascale", "launch", "--nnodes", nnodes, "--nproc-per-node", "2",
             "--rdzv-endpoint", endpoint or f"{cluster.addr(0)}:29400", "--rdzv-id", job,
@@ -54,7 +55,7 @@ def _agent(cluster, host: int, run: Path, data: list[str], fault: str = "", job:
             *data, f"train.run_dir={run}", *extra]
     run.parent.mkdir(parents=True, exist_ok=True)
     log = open(run.parent / f"host{host}.log", "a")  # noqa: SIM115 - the agent's, closed with the test
-    return cluster.popen(host, argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    return cluster.popen(host, [*wrap, *argv], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _wait(procs, timeout: float = 300) -> list[int]:
@@ -295,6 +296,24 @@ def test_a_straggling_host_that_serves_the_store_stays_and_the_job_goes_on(reque
     stragglers = read_metrics(run / "metrics.jsonl", "straggler")
     assert costliest(stragglers)["host"] == a0, stragglers
     (_equal if codes[1] == 0 else _close)(run, reference)
+
+
+def test_a_host_that_does_not_share_the_run_directory_is_refused_before_training(request, tmp_path, data):
+    """Host 1 has a disk of its own at the run directory's path (a local disk, not the shared file system):
+    its blocklist, hang diagnosis and checkpoints would be a host's, not the job's. Every rank stops at
+    start-up (exit 2, not restarted) with one line naming the directory and the host that cannot see it."""
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    run.mkdir()
+    private = ["sh", "-c", f'mount -t tmpfs tmpfs {run} && exec "$0" "$@"']  # in host 1's mount namespace
+    agents = [_agent(cluster, 0, run, data, job="local")]
+    agents.append(_agent(cluster, 1, run, data, job="local", wrap=private))
+    codes = _wait(agents)
+    logs = _logs(run)
+    assert codes == [2, 2], logs[-4000:]
+    assert (f"megascale train: error: train.run_dir {run}: host(s) {cluster.addr(1)} do not see the "
+            f"directory rank 0 (host {cluster.addr(0)}) writes to.") in logs, logs[-4000:]
+    assert "restarting" not in logs and not list(run.glob(".shared-*")), logs[-4000:]
 
 
 def test_when_the_store_host_is_evicted_the_others_end_at_once_saying_why(request, tmp_path, data):

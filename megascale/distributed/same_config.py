@@ -1,4 +1,5 @@
-"""Every rank of a job must run the same config: checked once at start-up, before any work.
+"""Every rank of a job must run the same config, and every host must see the same run directory:
+both checked once at start-up.
 
 Hosts of a multi-host job are launched one by one (a Slurm script, a pod spec per node), and a stale
 config file or an override on one node's command line gives its ranks another config. Nothing else
@@ -7,12 +8,20 @@ three times over), another train.steps leaves the other hosts waiting for a step
 (a hang), another optim.lr trains on, the dp replicas quietly diverging. Here every rank sends a
 digest of its config (one all-gather of a few bytes); only when they differ are the configs
 themselves gathered, to say which field differs on which rank and host.
+
+The run directory (train.run_dir) is the job's, not a host's: the blocklist that tells an evicted
+host it is out, the in-flight records a hang's diagnosis reads for every rank, the agents' event
+logs and, by default, the checkpoints' storage. On a disk of each host's own (the same path, not a
+shared file system) evictions and diagnoses would see one host's part, and a checkpoint would be
+split across the hosts' disks: rank 0 writes a file there, and every rank looks for it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import secrets
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -31,16 +40,16 @@ def flat(cfg: Config) -> dict[str, object]:
     return {k: v for k, v in out.items() if k not in HOST_LOCAL}
 
 
-def check_same_config(cfg: Config, rank: int, world_size: int) -> None:
+def check_same_config(cfg: Config, rank: int, world_size: int) -> list[str]:
     """Raise a ConfigError, on every rank alike, if any rank's config differs from rank 0's
-    (collective; free on one process)."""
+    (collective; free on one process). Each rank's host."""
     if world_size == 1:
-        return
+        return [host_id()]
     mine = json.dumps(flat(cfg), sort_keys=True, default=str)
     digests: list[tuple[str, str] | None] = [None] * world_size
     dist.all_gather_object(digests, (hashlib.sha256(mine.encode()).hexdigest(), host_id()))
     if len({d for d, _ in digests}) == 1:
-        return
+        return [h for _, h in digests]
     configs: list[str | None] = [None] * world_size
     dist.all_gather_object(configs, mine)
     first = json.loads(configs[0])
@@ -54,3 +63,33 @@ def check_same_config(cfg: Config, rank: int, world_size: int) -> None:
         f"the ranks' configs differ: rank {other} (host {digests[other][1]}; {ranks} of {world_size} ranks "
         f"differ from rank 0, host {digests[0][1]}): {said}{more}. Launch every host with the same config "
         f"and overrides (only {', '.join(HOST_LOCAL)} may differ)")
+
+
+def check_shared_run_dir(run_dir: Path, rank: int, hosts: list[str]) -> None:
+    """Raise a ConfigError, on every rank alike, if a host does not see the run directory rank 0 writes
+    to (collective in a job of several hosts, `hosts`: each rank's; nothing to check on one)."""
+    if len(set(hosts)) < 2:
+        return
+    token = None
+    if rank == 0:
+        probe = run_dir / f".shared-{secrets.token_hex(8)}"  # a new name: no host has it cached as absent
+        try:
+            probe.touch()
+            token = probe.name
+        except OSError:  # a full disk: unchecked, as a full disk costs the run's other files
+            pass
+    box = [token]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return
+    seen: list[bool | None] = [None] * len(hosts)
+    dist.all_gather_object(seen, (run_dir / box[0]).exists())
+    if rank == 0:
+        (run_dir / box[0]).unlink(missing_ok=True)
+    blind = sorted({hosts[r] for r, sees in enumerate(seen) if not sees})
+    if blind:
+        raise ConfigError(
+            f"train.run_dir {run_dir}: host(s) {', '.join(blind)} do not see the directory rank 0 (host "
+            f"{hosts[0]}) writes to. Every host of a job needs the same run directory, on a file system "
+            "they share: its blocklist, hang diagnosis, event logs and (checkpoint.path unset) checkpoints "
+            "are the job's, not a host's")
