@@ -63,6 +63,7 @@ _log = logging.getLogger("megascale.launch")
 # when TCP gets through or gives up. The rendezvous state, asked every monitor tick, is bounded by a
 # thread of its own (fault/rendezvous.py).
 STORE_READ_TIMEOUT_S = 10
+STORE_RETRY_S = 5.0  # after a failed call, how long an agent's monitor leaves the rendezvous store alone
 
 
 def _say(msg: str) -> None:
@@ -97,6 +98,7 @@ def make_agent_class():
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            self._store_down = 0.0  # when a call to the rendezvous store last failed (0: the last one worked)
             self._tolerate_store_outages(self._worker_group.spec.rdzv_handler)
             self._store_at = None  # the worker generation _progress is about
             self._generation = 0  # worker starts on this host: the beats' key (MEGASCALE_BEAT_GEN)
@@ -114,16 +116,28 @@ def make_agent_class():
             still seen through their exits and heartbeats)."""
             from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-            asked = handler.num_nodes_waiting
+            asked, close = handler.num_nodes_waiting, handler.shutdown
 
             def num_nodes_waiting() -> int:
+                # each failed call costs up to the store's 3 s bound: after one, ask again only after
+                # STORE_RETRY_S, so that a worker's exit meanwhile is seen at the next monitor tick
+                if self._store_down and time.monotonic() - self._store_down < STORE_RETRY_S:
+                    return 0
                 try:
-                    return asked()
+                    waiting = asked()
                 except RendezvousConnectionError:
+                    self._store_down = time.monotonic()
                     self._store_unreachable("asking who waits to join")
                     return 0
+                self._store_down = 0.0
+                return waiting
 
-            handler.num_nodes_waiting = num_nodes_waiting
+            def shutdown() -> bool:
+                # the store's host has ended (a user error there ends its agent first) or is out of reach:
+                # closing the rendezvous would retry a dead address for the close timeout
+                return True if self._store_down else close()
+
+            handler.num_nodes_waiting, handler.shutdown = num_nodes_waiting, shutdown
 
         @staticmethod
         def _export_round(worker_group) -> None:
