@@ -182,11 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        # In a parallel job every rank raises the same user error (the ranks agree on them):
-        # global rank 0 says it, once.
-        if os.environ.get("RANK", "0") == "0":
+        # In a parallel job every rank raises the same user error (the ranks agree on them): the
+        # first rank of each host says it, once in each host's log (a host's own log is where its
+        # operator looks, and the host that differs is often not rank 0's).
+        if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"megascale {args.verb}: error: {e}", file=sys.stderr, flush=True)
-        else:
+        if os.environ.get("RANK", "0") != "0":
             # Let rank 0 exit first: the launcher stops the other workers as soon as one exits
             # with an error, and rank 0 must not be stopped before it has said why.
             time.sleep(_FOLLOWER_EXIT_DELAY_S)

@@ -311,8 +311,10 @@ def test_a_host_that_does_not_share_the_run_directory_is_refused_before_training
     codes = _wait(agents)
     logs = _logs(run)
     assert codes == [2, 2], logs[-4000:]
-    assert (f"megascale train: error: train.run_dir {run}: host(s) {cluster.addr(1)} do not see the "
-            f"directory rank 0 (host {cluster.addr(0)}) writes to.") in logs, logs[-4000:]
+    said = (f"megascale train: error: train.run_dir {run}: host(s) {cluster.addr(1)} do not see the "
+            f"directory rank 0 (host {cluster.addr(0)}) writes to.")
+    for host in (0, 1):  # in each host's own log, once
+        assert (run.parent / f"host{host}.log").read_text().count(said) == 1, logs[-4000:]
     assert "restarting" not in logs and not list(run.glob(".shared-*")), logs[-4000:]
 
 
