@@ -50,6 +50,7 @@ from megascale.checkpoint.storage import CheckpointError, Storage
 from megascale.config import Config, ConfigError, check_world_size
 from megascale.data import build_tokenizer, ensure_dataset, open_splits
 from megascale.data.atomic import write_text_atomic
+from megascale.data.fingerprint import datasets_of
 from megascale.data.shared_loader import build_loader
 from megascale.distributed.init import (
     agree_on_user_errors,
@@ -58,7 +59,7 @@ from megascale.distributed.init import (
     init_distributed,
     set_collective_timeout,
 )
-from megascale.distributed.same_config import check_same_config, check_shared_run_dir
+from megascale.distributed.same_config import check_same_config, check_same_data, check_shared_run_dir
 from megascale.errors import HostCheckError, PeerHostEvicted, UserError
 from megascale.fault import blocklist
 from megascale.fault.inject import attempt, delays, fires_once, host_id, inject
@@ -141,6 +142,8 @@ class Trainer:
                     f"{where} has {len(self.train_samples)} training samples of "
                     f"{m.seq_len + 1} tokens, fewer than one global batch ({t.global_batch})"
                 )
+        check_same_data(datasets_of(self.train_samples), self.dist.rank, hosts)  # hosts' copies drift
+        with agree_on_user_errors(self.dist):
             if self._lock is not None:  # one job per run directory, from here to the end of fit
                 self._lock.acquire()
                 # storage no checkpoint can be written to: refused now, not at the first save hours in

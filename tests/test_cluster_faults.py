@@ -318,6 +318,28 @@ def test_a_host_that_does_not_share_the_run_directory_is_refused_before_training
     assert "restarting" not in logs and not list(run.glob(".shared-*")), logs[-4000:]
 
 
+def test_a_host_whose_copy_of_the_data_differs_is_refused_before_training(request, tmp_path, data):
+    """Each host keeps its own copy of the corpus (data.path and data.source are host-local), and host 1's
+    is from an older, shorter dump: its replica would train on another corpus with nothing failing (it
+    did, to the end, exit 0 on both). Every rank stops at start-up (exit 2, not restarted) with one line
+    naming the dataset, the host and both copies' sizes."""
+    cluster = make_cluster(request, hosts=2)
+    older = tmp_path / "older"
+    older.mkdir()
+    text = (ROOT / "data" / "shakespeare" / "sonnets_gut.txt").read_text()
+    (older / "sonnets.txt").write_text(text[: len(text) * 2 // 3])
+    stale = [f"data.source={json.dumps(str(older))}", f"data.path={json.dumps(str(older / 'ds'))}"]
+    run = tmp_path / "run"
+    codes = _wait([_agent(cluster, h, run, data if h == 0 else stale, job="stale") for h in (0, 1)])
+    logs = _logs(run)
+    assert codes == [2, 2], logs[-4000:]
+    said = (f"megascale train: error: data.path: rank 2 (host {cluster.addr(1)}) reads other data than "
+            f"rank 0 (host {cluster.addr(0)}): {older / 'ds'} there (1 document, ")
+    for host in (0, 1):  # in each host's own log, once
+        assert (run.parent / f"host{host}.log").read_text().count(said) == 1, logs[-4000:]
+    assert "restarting" not in logs and not (run / "checkpoints").exists(), logs[-4000:]
+
+
 def test_when_the_store_host_is_evicted_the_others_end_at_once_saying_why(request, tmp_path, data):
     """Host 0, whose agent serves the store, crashes and fails its self-check: it leaves (exit 4) and
     the store with it. Host 1 does not wait out the 120 s join timeout: the store's host is on the

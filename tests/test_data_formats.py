@@ -116,6 +116,29 @@ def test_loader_order_resume_and_dp_split_on_megatron_data(mcore, tmp_path):
     assert torch.equal(torch.cat(halves), want[0][0])
 
 
+def test_the_same_tokens_have_one_fingerprint_in_any_format_and_dtype(mcore, tmp_path):
+    """Hosts' copies are compared by fingerprint (distributed/same_config.py): a Megatron copy in
+    uint16 or int32 (with sentences) and megascale's own of the same documents agree; a copy with
+    one document less or other tokens does not."""
+    from megascale.data.fingerprint import fingerprint
+    from megascale.data.indexed import encode_index
+
+    docs = _docs(200, seed=4)
+    own = tmp_path / "own"
+    own.with_suffix(".bin").write_bytes(np.concatenate(docs).astype("<u2").tobytes())
+    offsets = np.r_[0, np.cumsum([len(d) for d in docs])]
+    own.with_suffix(".idx").write_bytes(encode_index(np.dtype("<u2"), 257, "byte", offsets))
+    want = fingerprint(open_dataset(own))
+    assert want["docs"] == 200 and want["tokens"] == sum(len(d) for d in docs)
+    for dtype, sentences in ((np.uint16, False), (np.int32, True)):
+        prefix = write_megatron(mcore, tmp_path / f"m{np.dtype(dtype).name}", docs, dtype, sentences)
+        assert fingerprint(open_dataset(prefix)) == want
+    other = [np.r_[(d[:-1] + 1) % 256, d[-1]] for d in docs]  # the same lengths, other tokens
+    for name, changed in (("less", docs[1:]), ("tok", other)):
+        got = fingerprint(open_dataset(write_megatron(mcore, tmp_path / name, changed)))
+        assert got["digest"] != want["digest"], name
+
+
 def test_format_is_told_by_the_magic_bytes(mcore, tmp_path):
     (tmp_path / "in.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
     preprocess([tmp_path / "in.jsonl"], tmp_path / "own", "byte", progress=False)

@@ -33,3 +33,59 @@ def test_a_field_that_differs_is_named_on_every_rank(pools):
     assert said[0].endswith("(only data.path, data.source, checkpoint.memory_dir may differ)"), said[0]
     four = pool.run(_check, [[], ["train.seed=1", "train.steps=2", "optim.lr=1.0", "model.n_layers=1"]])
     assert "(and 1 more)" in four[0], four[0]
+
+
+def _check_data(rank: int, prefixes: list[list[str]]) -> str | None:
+    """check_same_data on rank's datasets (a blend when it has several), hosts named h0, h1, ..."""
+    from megascale.data.megatron import open_dataset
+    from megascale.distributed.same_config import check_same_data
+    from megascale.errors import UserError
+
+    mine = prefixes[rank]
+    fields = ["data.path"] if len(mine) == 1 else [f"data.blend[{i}]" for i in range(len(mine))]
+    try:
+        check_same_data([(f, open_dataset(p)) for f, p in zip(fields, mine, strict=True)], rank,
+                        [f"h{r}" for r in range(len(prefixes))])
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def _write(prefix, docs) -> str:
+    import numpy as np
+
+    from megascale.data.indexed import encode_index
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".bin").write_bytes(np.concatenate(docs).astype("<u2").tobytes())
+    offsets = np.r_[0, np.cumsum([len(d) for d in docs])]
+    prefix.with_suffix(".idx").write_bytes(encode_index(np.dtype("<u2"), 257, "byte", offsets))
+    return str(prefix)
+
+
+def test_a_host_whose_copy_of_the_data_differs_is_named_on_every_rank(pools, tmp_path):
+    """data.path may differ per host (each its own copy), the tokens may not: replicas reading copies
+    that drifted would train on different corpora with nothing failing."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 256, int(rng.integers(20, 400))) for _ in range(300)]
+    a = _write(tmp_path / "a" / "ds", docs)
+    copy = _write(tmp_path / "b" / "ds", docs)  # another host's copy, another path
+    shorter = _write(tmp_path / "c" / "ds", docs[:-1])  # a copy from an older dump
+    retokenised = _write(tmp_path / "d" / "ds", [(d + 1) % 256 for d in docs])  # same sizes
+    pool = pools(2)
+    assert pool.run(_check_data, [[a], [copy]]) == [None, None]
+    said = pool.run(_check_data, [[a], [shorter]])
+    assert said[0] == said[1], said  # every rank raises the same error, so all of them stop here
+    n = sum(len(d) for d in docs)
+    assert said[0].startswith(
+        f"data.path: rank 1 (host h1) reads other data than rank 0 (host h0): {shorter} there (299 "
+        f"documents, {n - len(docs[-1]):,} tokens), {a} on rank 0 (300 documents, {n:,} tokens); 1 of 2 "
+        "ranks differ."), said[0]
+    said = pool.run(_check_data, [[a], [retokenised]])
+    assert f"(300 documents, {n:,} tokens; the same size, other tokens)" in said[0], said[0]
+    # a blend names the dataset that differs
+    said = pool.run(_check_data, [[copy, a], [copy, shorter]])
+    assert said[0].startswith(f"data.blend[1]: rank 1 (host h1) reads other data than rank 0 (host h0): "
+                              f"{shorter} there"), said[0]

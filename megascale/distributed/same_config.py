@@ -1,5 +1,5 @@
-"""Every rank of a job must run the same config, and every host must see the same run directory:
-both checked once at start-up.
+"""Every rank of a job must run the same config, read the same data, and every host must see the same
+run directory: all three checked once at start-up.
 
 Hosts of a multi-host job are launched one by one (a Slurm script, a pod spec per node), and a stale
 config file or an override on one node's command line gives its ranks another config. Nothing else
@@ -8,6 +8,12 @@ three times over), another train.steps leaves the other hosts waiting for a step
 (a hang), another optim.lr trains on, the dp replicas quietly diverging. Here every rank sends a
 digest of its config (one all-gather of a few bytes); only when they differ are the configs
 themselves gathered, to say which field differs on which rank and host.
+
+A host may keep its own copy of the data (data.path is host-local), but the copies must hold the same
+tokens: every rank reads its rows by global sample index, so replicas reading copies that drifted
+(an older dump, another tokenisation) train on different corpora and nothing fails. Each rank sends
+a digest of its datasets' fingerprints (data/fingerprint.py); only when they differ are the
+fingerprints gathered, to name the dataset, the ranks and the sizes.
 
 The run directory (train.run_dir) is the job's, not a host's: the blocklist that tells an evicted
 host it is out, the in-flight records a hang's diagnosis reads for every rank, the agents' event
@@ -26,6 +32,9 @@ from pathlib import Path
 import torch.distributed as dist
 
 from megascale.config import Config, ConfigError
+from megascale.data.fingerprint import describe, fingerprint
+from megascale.data.indexed import Documents
+from megascale.errors import UserError
 from megascale.fault.inject import host_id
 
 # Where a host keeps its own copy of something: the path may differ, what it holds may not
@@ -63,6 +72,34 @@ def check_same_config(cfg: Config, rank: int, world_size: int) -> list[str]:
         f"the ranks' configs differ: rank {other} (host {digests[other][1]}; {ranks} of {world_size} ranks "
         f"differ from rank 0, host {digests[0][1]}): {said}{more}. Launch every host with the same config "
         f"and overrides (only {', '.join(HOST_LOCAL)} may differ)")
+
+
+def check_same_data(datasets: list[tuple[str, Documents]], rank: int, hosts: list[str]) -> None:
+    """Raise a UserError, on every rank alike, if any rank's datasets (`datasets`: the config field
+    that names each, as data/fingerprint.py's `datasets_of` gives them) hold other tokens than rank
+    0's (collective; `hosts`: each rank's; free on one process)."""
+    world_size = len(hosts)
+    if world_size == 1:
+        return
+    mine = [(field, str(ds.bin_path)[: -len(".bin")], fingerprint(ds)) for field, ds in datasets]
+    digest = hashlib.sha256(json.dumps([fp for _, _, fp in mine]).encode()).hexdigest()
+    digests: list[str | None] = [None] * world_size
+    dist.all_gather_object(digests, digest)
+    differ = [r for r, d in enumerate(digests) if d != digests[0]]
+    if not differ:
+        return
+    everyone: list[list | None] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    other = differ[0]
+    (field, path, theirs), (_, path0, first) = next(
+        (a, b) for a, b in zip(everyone[other], everyone[0], strict=True) if a[2] != b[2])
+    same = "; the same size, other tokens" if describe(theirs) == describe(first) else ""
+    raise UserError(
+        f"{field}: rank {other} (host {hosts[other]}) reads other data than rank 0 (host {hosts[0]}): "
+        f"{path} there ({describe(theirs)}), {path0} on rank 0 ({describe(first)}{same}); {len(differ)} of "
+        f"{world_size} ranks differ. Each host's copy of a dataset must hold the same tokens, or the "
+        "data-parallel replicas train on different corpora: copy rank 0's files there, or keep the "
+        "data on a file system the hosts share")
 
 
 def check_shared_run_dir(run_dir: Path, rank: int, hosts: list[str]) -> None:
