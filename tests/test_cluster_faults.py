@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -322,7 +323,10 @@ def test_a_host_whose_copy_of_the_data_differs_is_refused_before_training(reques
     """Each host keeps its own copy of the corpus (data.path and data.source are host-local), and host 1's
     is from an older, shorter dump: its replica would train on another corpus with nothing failing (it
     did, to the end, exit 0 on both). Every rank stops at start-up (exit 2, not restarted) with one line
-    naming the dataset, the host and both copies' sizes."""
+    naming the dataset, the host and both copies' sizes. Host 1's workers take 3 s longer to exit: host 0's
+    agent, which serves the rendezvous store, waits for host 1's before it ends (it used to end first,
+    and host 1's log filled with C++ connection errors, frames of stack each, under the line that said
+    why)."""
     cluster = make_cluster(request, hosts=2)
     older = tmp_path / "older"
     older.mkdir()
@@ -330,9 +334,12 @@ def test_a_host_whose_copy_of_the_data_differs_is_refused_before_training(reques
     (older / "sonnets.txt").write_text(text[: len(text) * 2 // 3])
     stale = [f"data.source={json.dumps(str(older))}", f"data.path={json.dumps(str(older / 'ds'))}"]
     run = tmp_path / "run"
-    codes = _wait([_agent(cluster, h, run, data if h == 0 else stale, job="stale") for h in (0, 1)])
+    slow = f"delay@exit:3:host={cluster.addr(1)}"
+    codes = _wait([_agent(cluster, h, run, data if h == 0 else stale, slow, job="stale") for h in (0, 1)])
     logs = _logs(run)
     assert codes == [2, 2], logs[-4000:]
+    host1 = (run.parent / "host1.log").read_text()
+    assert not re.search(r"TCPStore|socket\.cpp|unreachable|frame #", host1), host1[-4000:]
     said = (f"megascale train: error: data.path: rank 2 (host {cluster.addr(1)}) reads other data than "
             f"rank 0 (host {cluster.addr(0)}): {older / 'ds'} there (1 document, ")
     for host in (0, 1):  # in each host's own log, once
@@ -461,6 +468,32 @@ def test_a_redis_store_restarted_mid_run_serves_the_next_restart(request, tmp_pa
     where = url.split("//")[1].rsplit("/", 1)[0]
     assert "restart 1 of 3" in logs and f"redis at {where}" in logs, logs[-4000:]
     _equal(run, reference)
+
+
+@pytest.mark.parametrize("preempted", [0, 1])
+def test_sigterm_to_one_hosts_agent_stops_every_host_with_a_checkpoint_and_quiet_logs(request, tmp_path, data,
+                                                                                      preempted):
+    """A scheduler preempts one host's pod (SIGTERM to its agent): host 0's, which serves the rendezvous
+    store, or host 1's. Every rank saves at the agreed step and every agent ends 143, not restarted. The
+    store's agent ends last, after the other has said it is done with the store: when it ended first,
+    the other's log filled with C++ connection errors under its "stopped" line; when the other, being
+    signalled, did not say so, the store's agent waited for it."""
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    agents = [_agent(cluster, h, run, data, "delay@forward:0.2", job=f"pre{preempted}",
+                     extra=("train.steps=400",)) for h in (0, 1)]
+    deadline = time.time() + 240
+    while time.time() < deadline and len(read_metrics(run / "metrics.jsonl", "train")
+                                         if (run / "metrics.jsonl").exists() else []) < 5:
+        time.sleep(0.2)
+    agents[preempted].send_signal(signal.SIGTERM)
+    codes = _wait(agents, timeout=120)
+    logs = _logs(run)
+    assert codes == [143, 143], logs[-4000:]
+    step = int(re.search(r"stopped by SIGTERM after step (\d+); checkpoint", logs).group(1))
+    assert (run / "checkpoints" / f"step_{step:06d}" / "COMMIT.json").exists(), logs[-4000:]
+    assert "restarting" not in logs and "did not say within" not in logs, logs[-4000:]
+    assert not re.search(r"TCPStore|socket\.cpp|unreachable|frame #", logs), logs[-4000:]
 
 
 def test_a_stopped_host_is_seen_by_its_own_beats_and_recovered_exactly(request, tmp_path, data, reference):

@@ -64,6 +64,9 @@ _log = logging.getLogger("megascale.launch")
 # thread of its own (fault/rendezvous.py).
 STORE_READ_TIMEOUT_S = 10
 STORE_RETRY_S = 5.0  # after a failed call, how long an agent's monitor leaves the rendezvous store alone
+# When a job ends on every host alike (done, a user error, an agreed stop), how long the agent that serves
+# the rendezvous store waits for the others to leave it before it ends and takes the store with it
+LEAVE_WAIT_S = 30.0
 
 
 def _say(msg: str) -> None:
@@ -95,6 +98,7 @@ def make_agent_class():
         run_dir = ""  # the run's directory: its blocklist
         store_host = ""  # the --rdzv-endpoint's host: where the rendezvous store is served
         log = None  # the run's event log of this host (fault/events.py), or None
+        last_round = None  # (the round's store, its hosts, its number) of the newest rendezvous
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -164,6 +168,8 @@ def make_agent_class():
                 try:
                     self._timed("rendezvous", super()._rendezvous, worker_group)
                     self._export_round(worker_group)
+                    type(self).last_round = (self._store, worker_group.group_world_size,
+                                             os.environ.get("MEGASCALE_ROUND", str(self._generation)))
                     self._generation += 1  # the workers about to start beat under a key of their own
                     os.environ["MEGASCALE_BEAT_GEN"] = str(self._generation)
                     return
@@ -418,6 +424,33 @@ def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, be
         yield cls
 
 
+def _leave_together(agent) -> None:
+    """At an end every host's agent reaches alike (done, a user error, an agreed stop): the agent that
+    serves the rendezvous store waits, up to LEAVE_WAIT_S, for the others to say they are done with it,
+    before it ends and takes the store with it. It used to end first, at its own workers' exit, while
+    the others' monitors, keep-alives and rendezvous closes still called the store: each failed call
+    printed C++ connection errors with 20 frames of stack into their logs, under the line that said why
+    the job ended, and cost its host's agent up to 3 s a call. A store outside the job (megascale
+    rdzv-store) outlives every agent: nobody waits."""
+    if agent is None or agent.last_round is None or not agent.multi_host:
+        return
+    store, hosts, round_ = agent.last_round
+    key = f"megascale/left/{round_}"
+    try:
+        if not rendezvous.serves_store():
+            store.add(key, 1)  # the last call this agent makes on the store
+            return
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        while (left := store.add(key, 0)) < hosts - 1:
+            if time.monotonic() > deadline:
+                _say(f"{hosts - 1 - left} of the other {hosts - 1} hosts' agents did not say within "
+                     f"{LEAVE_WAIT_S:g} s that they are done with the rendezvous store; ending without them")
+                return
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store or a peer gone already: nothing to wait for
+        pass
+
+
 def _endpoint_host(endpoint: str) -> str:
     """HOST of HOST:PORT ([v6]:PORT too), as a host id names it."""
     host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
@@ -506,14 +539,18 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
     rendezvous.register()
     config = LaunchConfig(rdzv_backend=rendezvous.BACKEND, rdzv_endpoint=rdzv_endpoint, **config_args)
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
+    agent = None
     try:
         store_host = _endpoint_host(rdzv_endpoint)
-        with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store(), store_host, log):
+        with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store(), store_host, log) as agent:
             elastic_launch(config, entrypoint=sys.executable)(*argv)
+        _leave_together(agent)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         for final in (4, 2, *STOPPED):  # the workers said why (a failed self-check, a user error, a stop)
             if _final(codes, final):
+                if final != 4:  # every host's workers ended alike: so do the agents
+                    _leave_together(agent)
                 return final
         _say(f"the job failed after {time.time() - t0:.0f} s:\n{e.format_msg()}")
         return max(codes) if max(codes) > 0 else 1
@@ -538,6 +575,9 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
              "agent started, with the same --rdzv-endpoint and --rdzv-id?")
         return 1
     except SignalException as e:
+        # the workers have saved and exited (elastic's shutdown waited for them), those of the other hosts
+        # too, through the stop agreement: their agents end alike (a second signal ends the wait)
+        _leave_together(agent)
         return 128 + int(e.sigval)
     finally:
         logging.disable(logging.NOTSET)

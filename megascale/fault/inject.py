@@ -5,6 +5,8 @@
     MEGASCALE_INJECT="kill@persist:4:rank=1" only on global rank 1
     MEGASCALE_INJECT="delay@forward:0.02:rank=3"   rank 3 sleeps 20 ms in every forward (a slow GPU;
                                              acts through the timers, observe.timers = true)
+    MEGASCALE_INJECT="delay@exit:3:host=H"     host H's workers take 3 s longer to exit on a user error (a
+                                             big process's teardown: the other hosts' agents end first)
     MEGASCALE_INJECT="skip@agree:5:rank=2"   rank 2 skips the step-5 loss all-reduce (a bug that
                                              desynchronises the collectives: the job hangs)
     MEGASCALE_INJECT="stop@step:3:rank=5"    rank 5 SIGSTOPs itself at the start of step 3 (a hung host)
