@@ -187,10 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         # operator looks, and the host that differs is often not rank 0's).
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"megascale {args.verb}: error: {e}", file=sys.stderr, flush=True)
-        if os.environ.get("RANK", "0") != "0":
-            # Let rank 0 exit first: the launcher stops the other workers as soon as one exits
-            # with an error, and rank 0 must not be stopped before it has said why.
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            # Let the host's first rank exit first: its launcher stops the host's other workers as soon
+            # as one exits with an error, and that rank must not be stopped before it has said why.
             time.sleep(_FOLLOWER_EXIT_DELAY_S)
+        from megascale.fault.inject import delays
+
+        time.sleep(delays(int(os.environ.get("RANK", "0"))).get("exit", 0.0))  # tests: a slow teardown
         return e.exit_code
     except KeyboardInterrupt:
         print(f"megascale {args.verb}: interrupted", file=sys.stderr)
