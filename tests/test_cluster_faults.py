@@ -347,6 +347,27 @@ def test_a_host_whose_copy_of_the_data_differs_is_refused_before_training(reques
     assert "restarting" not in logs and not (run / "checkpoints").exists(), logs[-4000:]
 
 
+@pytest.mark.parametrize("bad", [0, 1])
+def test_a_host_that_cannot_start_its_agent_tells_the_others_why(request, tmp_path, data, bad):
+    """One host's config file is missing (its shared file system not mounted): its `megascale launch`
+    ends before its agent starts. The other host waited out the rendezvous timeout (120 s) and ended with
+    "fewer than 2 host(s) joined" (exit 1); now it reads the refusal from the rendezvous store and ends at
+    once, exit 2, with the bad host's line, whether the bad host is the one whose agent would have served
+    the store (it serves one just for this) or not."""
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    missing = ("--config", str(tmp_path / "unmounted" / "job.toml"))
+    codes = _wait([_agent(cluster, h, run, data, job=f"refuse{bad}", extra=missing if h == bad else ())
+                   for h in (0, 1)], timeout=60)
+    logs = _logs(run)
+    assert codes == [2, 2], logs[-4000:]
+    said = re.search(r"megascale launch: error: (config file .* does not exist)", logs).group(1)
+    other = (run.parent / f"host{1 - bad}.log").read_text()
+    told = f"megascale launch: host {cluster.addr(bad)} will not join this job: {said}; ending here"
+    assert told in other, logs
+    assert not re.search(r"TCPStore|socket\.cpp|unreachable|frame #|Traceback", logs), logs[-4000:]
+
+
 def test_when_the_store_host_is_evicted_the_others_end_at_once_saying_why(request, tmp_path, data):
     """Host 0, whose agent serves the store, crashes and fails its self-check: it leaves (exit 4) and
     the store with it. Host 1 does not wait out the 120 s join timeout: the store's host is on the

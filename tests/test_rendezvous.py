@@ -175,3 +175,35 @@ def test_a_min_max_round_waits_the_configured_last_call_for_more_hosts():
             assert handler._settings.timeout.last_call == datetime.timedelta(seconds=want)
         finally:
             handler.shutdown()
+
+
+def test_a_refusal_is_read_by_the_hosts_it_is_for_and_gone_for_the_next_launch(monkeypatch):
+    """fault/refusal.py on a store that outlives the job (megascale rdzv-store): the refusal reaches each
+    waiting host once, and the last of them takes it away, so a later launch with the same --rdzv-id is
+    not refused; one that nobody read is taken away by the refusing host after its wait."""
+    from megascale.fault import refusal
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=5))
+    endpoint = f"127.0.0.1:{server.port}"
+    monkeypatch.setattr(refusal, "_is_this_host", lambda addr: False)  # the refusing host is another one
+    posted = []
+    poster = threading.Thread(target=lambda: posted.append(
+        refusal.post(endpoint, "job", "10.0.0.7", "config file x.toml: does not exist", 2, 30)))
+    poster.start()
+    watches = [refusal.Watch("job", lambda fn: fn(server), lambda: False) for _ in range(2)]
+    deadline = time.monotonic() + 10
+    while not server.check([refusal.key("job")]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for watch in watches:
+        with pytest.raises(refusal.HostRefused, match=r"^host 10\.0\.0\.7 will not join this job: config "
+                                                      r"file x\.toml: does not exist$"):
+            watch()
+    poster.join(10)
+    assert posted == [True]
+    assert not server.check([refusal.key("job")]), "the next launch would be refused"
+    later = refusal.Watch("job", lambda fn: fn(server), lambda: False)
+    later()  # nothing to read: no exception
+    # nobody reads it: the refusing host takes it away when its wait ends
+    assert refusal.post(endpoint, "job", "10.0.0.7", "unread", 2, 0.5) is False
+    assert not server.check([refusal.key("job")])

@@ -7,6 +7,7 @@ import argparse
 import hashlib
 import logging
 import os
+import socket
 import sys
 
 from megascale.errors import UserError
@@ -65,6 +66,29 @@ def _cmd_rdzv_store(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
+    from megascale.fault import refusal
+
+    os.environ[refusal.ENV] = args.rdzv_id  # the agent watches for other hosts' refusals under it
+    try:
+        return _launch(args)
+    except UserError as e:
+        lo, _, hi = args.nnodes.partition(":")
+        if args.unblock is not None or not lo.isdigit() or int(lo) < 2:
+            raise
+        # a multi-host job that this host will not join: the hosts waiting for it learn why at once,
+        # not as "fewer than N hosts joined" after the rendezvous timeout (fault/refusal.py)
+        print(f"megascale launch: error: {e}", file=sys.stderr, flush=True)
+        from megascale.config import FaultConfig
+
+        wait = FaultConfig().rendezvous_timeout_s
+        print(f"megascale launch: telling the hosts that meet at {args.rdzv_endpoint} why this one will not "
+              f"join (for up to {wait:g} s)", file=sys.stderr, flush=True)
+        refusal.post(args.rdzv_endpoint, args.rdzv_id, args.local_addr or socket.gethostname(), str(e),
+                     int(lo) - 1, wait)
+        return e.exit_code
+
+
+def _launch(args: argparse.Namespace) -> int:
     from megascale.cli import _default_config
     from megascale.config import check_world_size, load_config
     from megascale.fault.driver import launch

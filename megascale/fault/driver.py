@@ -53,7 +53,7 @@ from megascale.config import FaultConfig
 from megascale.distributed import prefork
 from megascale.distributed.launch import STOPPED, elastic_agent, kill_the_rest_after_a_failure
 from megascale.errors import UserError
-from megascale.fault import blocklist, rendezvous
+from megascale.fault import blocklist, refusal, rendezvous
 from megascale.fault.events import EventLog
 
 _log = logging.getLogger("megascale.launch")
@@ -103,6 +103,7 @@ def make_agent_class():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._store_down = 0.0  # when a call to the rendezvous store last failed (0: the last one worked)
+            self._refused = False  # another host will not join (fault/refusal.py): the job ends
             self._tolerate_store_outages(self._worker_group.spec.rdzv_handler)
             self._store_at = None  # the worker generation _progress is about
             self._generation = 0  # worker starts on this host: the beats' key (MEGASCALE_BEAT_GEN)
@@ -138,8 +139,9 @@ def make_agent_class():
 
             def shutdown() -> bool:
                 # the store's host has ended (a user error there ends its agent first) or is out of reach:
-                # closing the rendezvous would retry a dead address for the close timeout
-                return True if self._store_down else close()
+                # closing the rendezvous would retry a dead address for the close timeout. A host refused
+                # to join: its store (if it served one) ends once this agent has read why
+                return True if self._store_down or self._refused else close()
 
             handler.num_nodes_waiting, handler.shutdown = num_nodes_waiting, shutdown
 
@@ -173,6 +175,9 @@ def make_agent_class():
                     self._generation += 1  # the workers about to start beat under a key of their own
                     os.environ["MEGASCALE_BEAT_GEN"] = str(self._generation)
                     return
+                except refusal.HostRefused:
+                    self._refused = True
+                    raise
                 except RendezvousConnectionError:
                     # an evicted store host does not come back (its agent refuses to join): no use waiting
                     if time.monotonic() > deadline or blocklist.entry(self.run_dir, self.store_host):
@@ -556,6 +561,10 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
         return max(codes) if max(codes) > 0 else 1
     except HostEvicted:
         return 4
+    except refusal.HostRefused as e:  # another host's own checks failed before its agent started
+        _say(f"{e}; ending here too (not restarted): fix it there, then launch every host again")
+        log.write("user error", detail=str(e))
+        return 2
     except RendezvousConnectionError as e:
         # _rendezvous retried: the store is gone, most often with its host
         store_host = _endpoint_host(rdzv_endpoint)

@@ -31,6 +31,8 @@ import os
 import threading
 from collections.abc import Callable
 
+from megascale.fault import refusal
+
 BACKEND = "megascale-c10d"
 SERVES_ENV = "MEGASCALE_SERVES_RDZV"  # "1" in the environment of the workers whose agent serves the store
 # how long one call to the rendezvous state may take, connecting included: a compare-and-set on the
@@ -49,6 +51,7 @@ def make_backend(connect: Callable[[], object], run_id: str):
         def __init__(self) -> None:
             self._lock = threading.Lock()  # the agent's loop and its keep-alive thread share it
             self._inner: C10dRendezvousBackend | None = None
+            self._store = None  # the connection under _inner
             self.connections = 0  # connections tried, failed ones included (the tests read it)
 
         @property
@@ -69,8 +72,15 @@ def make_backend(connect: Callable[[], object], run_id: str):
                     raise RendezvousConnectionError(f"cannot reach the rendezvous store: {e}") from e
 
         def _on(self, op: Callable):
-            inner = self._inner or C10dRendezvousBackend(connect(), run_id)
-            return inner, op(inner)
+            if self._inner is None:
+                self._store = connect()
+                return (inner := C10dRendezvousBackend(self._store, run_id)), op(inner)
+            return self._inner, op(self._inner)
+
+        def on_store(self, fn: Callable):
+            """fn(store) on the state's connection, bounded and replaced after a failure as a state call is
+            (fault/refusal.py reads a key of its own there)."""
+            return self._call(lambda _inner: fn(self._store))
 
         def get_state(self):
             return self._call(lambda b: b.get_state())
@@ -116,10 +126,14 @@ def poll_interval_s(max_nodes: int) -> float:
     return min(1.0, max(0.1, max_nodes / 200))
 
 
+_WATCHERS: list[Callable[[], None]] = []  # called between a waiting agent's polls (may raise to end it)
+
+
 def _poll_every(every: float) -> None:
-    """Elastic's waiting agents read the state every `every` s instead of every 1 s. Private API: the
-    executor's sleep is `dynamic_rendezvous._delay(seconds=1)`; every other delay (the first round's
-    random skew) is left as it is. Without that name (another torch), elastic's 1 s stays."""
+    """Elastic's waiting agents read the state every `every` s instead of every 1 s, and run `_WATCHERS`
+    before each wait. Private API: the executor's sleep is `dynamic_rendezvous._delay(seconds=1)`; every
+    other delay (the first round's random skew) is left as it is. Without that name (another torch),
+    elastic's 1 s stays and nothing watches."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     original = getattr(dr, "_delay", None)
@@ -128,7 +142,11 @@ def _poll_every(every: float) -> None:
     original = getattr(original, "elastic_delay", original)  # a second handler: wrap elastic's, not ours
 
     def delay(seconds) -> None:  # elastic calls it with seconds=
-        original(seconds=every if seconds == 1 else seconds)
+        if seconds == 1:  # waiting in a round for its state to change
+            for watch in _WATCHERS:
+                watch()
+            seconds = every
+        original(seconds=seconds)
 
     delay.elastic_delay = original
     dr._delay = delay
@@ -142,12 +160,17 @@ def create_handler(params):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as elastic_handler
 
     poll = float(params.get("poll_interval", 0) or 0) or poll_interval_s(params.max_nodes)
-    if poll != 1.0:
-        _poll_every(poll)
+    _poll_every(poll)
     _, store = create_backend(params)
     host, port = store.host, store.port  # the port the server took (an endpoint may say port 0)
     os.environ[SERVES_ENV] = "1" if _serves(params, host) else ""  # the workers inherit it
-    handler = elastic_handler(store, make_backend(lambda: _client(host, port), params.run_id), params)
+    backend = make_backend(lambda: _client(host, port), params.run_id)
+    # a host whose own checks failed before its agent started posts why (fault/refusal.py): read it
+    watching = refusal.ENV in os.environ  # set by megascale launch
+    every = max(1.0, params.max_nodes / 200)  # ~200 reads a second on the store at most, as the polls
+    _WATCHERS[:] = ([refusal.Watch(os.environ[refusal.ENV], backend.on_store, serves_store, every)]
+                    if watching else [])
+    handler = elastic_handler(store, backend, params)
     holder = getattr(handler, "_state_holder", None)  # private API, as _poll_every
     if poll != 1.0 and isinstance(getattr(holder, "_cache_duration", None), (int, float)):
         holder._cache_duration = poll  # a read is reused this long (elastic: 1 s, which hid faster polls)
