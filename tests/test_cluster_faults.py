@@ -233,6 +233,17 @@ def test_with_the_store_outside_the_job_the_first_host_is_evicted_and_replaced_t
     assert codes == [0, 0], _logs(run)[-4000:]
     assert f"this host ({a0}) is evicted" in _logs(run)
     _equal(run, reference)
+    # the store outlives the job, and with it the job's closed rendezvous: the same command run again (two
+    # more steps) ended in elastic's RendezvousClosedError; both hosts move on to the id's next generation,
+    # the same one (a job of both hosts to step 16)
+    again = _wait([_agent(cluster, h, run, data, job="outside", endpoint=endpoint,
+                          extra=(*_own_memory(tmp_path, h), "train.steps=16")) for h in (1, 2)])
+    logs = _logs(run)
+    assert again == [0, 0], logs[-4000:]
+    # the first host there moves it on; the other joins that generation (it may find it already moved)
+    assert "closed by an earlier launch of this job; joining outside.1" in logs, logs[-4000:]
+    assert "outside.2" not in logs, logs[-4000:]
+    assert read_metrics(run / "metrics.jsonl", "train")[-1]["step"] == 16, logs[-4000:]
     store.terminate()
     assert store.wait(timeout=10) == 0 and "stopped by SIGTERM" in out.read_text(), out.read_text()
 

@@ -209,7 +209,7 @@ def test_a_round_that_never_fills_is_one_line(tmp_path, data):
     assert r.stderr.strip().splitlines()[-1] == (
         "megascale launch: no rendezvous round formed within fault.rendezvous_timeout_s = 2 s: fewer than 2 "
         f"host(s) joined at 127.0.0.1:{port} (--nnodes 2). Is every host's agent started, with the same "
-        "--rdzv-endpoint and --rdzv-id?"), r.stderr[-3000:]
+        "--rdzv-endpoint, --rdzv-id and --nnodes?"), r.stderr[-3000:]
 
 
 def test_a_host_that_fails_its_self_check_is_not_restarted(tmp_path, data):

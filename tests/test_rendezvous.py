@@ -186,7 +186,7 @@ def test_a_refusal_is_read_by_the_hosts_it_is_for_and_gone_for_the_next_launch(m
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=5))
     endpoint = f"127.0.0.1:{server.port}"
-    monkeypatch.setattr(refusal, "_is_this_host", lambda addr: False)  # the refusing host is another one
+    monkeypatch.setattr(rendezvous, "is_this_host", lambda addr: False)  # the refusing host is another one
     posted = []
     poster = threading.Thread(target=lambda: posted.append(
         refusal.post(endpoint, "job", "10.0.0.7", "config file x.toml: does not exist", 2, 30)))

@@ -383,12 +383,8 @@ def _wait_for_store(endpoint: str, timeout: float) -> None:
     endpoint is an address of this host, whose agent will serve the store itself."""
     host = _endpoint_host(endpoint)
     port = endpoint.rpartition(":")[2] if ":" in endpoint else ""  # none: elastic's default, 29400
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.bind((host, 0))  # binds only to an address of this host
+    if rendezvous.is_this_host(host):
         return
-    except OSError:
-        pass
     deadline, said = time.monotonic() + timeout, False
     while time.monotonic() < deadline:
         try:
@@ -427,6 +423,51 @@ def _our_agent(fault: FaultConfig, multi_host: bool, host: str, run_dir: str, be
     cls.beat_store = beat_store
     with elastic_agent(cls):
         yield cls
+
+
+def _launch_where_open(config, argv: tuple[str, ...], agent, endpoint: str) -> None:
+    """elastic_launch, in a rendezvous this launch can join. Elastic closes a job's rendezvous when the job
+    ends, and a store that outlives the job (megascale rdzv-store) keeps it closed: the same command run
+    again (to resume after a stop, or after a failure) ended in RendezvousClosedError. The job's id has
+    generations (`<id>`, then `<id>.1`, ...; the current one under megascale/generation/<id> in the
+    store): an agent joins the current one, and where that is closed before it had a round there (an
+    earlier launch's), moves the job on to the next by compare-and-set, so every host of the new launch
+    lands on the same one."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    base, moved = config.run_id, False
+    key = f"megascale/generation/{base}"
+    generation = _generation(endpoint, key)
+    while True:
+        config.run_id = base if generation == 0 else f"{base}.{generation}"
+        try:
+            elastic_launch(config, entrypoint=sys.executable)(*argv)
+            return
+        except RendezvousClosedError:
+            if agent.last_round is not None or moved:
+                raise  # closed by a host of this launch: its end, not an earlier launch's
+            try:
+                store = rendezvous.connect(endpoint)
+                store.add(key, 0)  # the key exists from here on (compare_set on a missing key sets nothing)
+                generation = int(store.compare_set(key, str(generation), str(generation + 1)))
+            except (RuntimeError, ValueError, OSError):
+                raise RendezvousClosedError from None
+            moved = True
+            _say(f"the rendezvous {config.run_id} was closed by an earlier launch of this job; joining "
+                 f"{base if generation == 0 else f'{base}.{generation}'}")
+
+
+def _generation(endpoint: str, key: str) -> int:
+    """The job's current generation, where its store outlives launches: 0 where this agent serves the store
+    (a new one) or cannot ask."""
+    host, _, port = endpoint.rpartition(":")
+    if port in ("", "0") or rendezvous.is_this_host(host.strip("[]")):
+        return 0
+    try:
+        return int(rendezvous.connect(endpoint).add(key, 0))
+    except (RuntimeError, ValueError, OSError):
+        return 0
 
 
 def _leave_together(agent) -> None:
@@ -536,8 +577,12 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
                rdzv_endpoint: str, argv: tuple[str, ...], t0: float, log: EventLog) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
+    from torch.distributed.launcher.api import LaunchConfig
 
     if max_nodes > 1:  # after the blocklist: an evicted host leaves at once, store or no store
         _wait_for_store(rdzv_endpoint, fault.rendezvous_timeout_s)
@@ -548,7 +593,7 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
     try:
         store_host = _endpoint_host(rdzv_endpoint)
         with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store(), store_host, log) as agent:
-            elastic_launch(config, entrypoint=sys.executable)(*argv)
+            _launch_where_open(config, argv, agent, rdzv_endpoint)
         _leave_together(agent)
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
@@ -581,7 +626,16 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
         nnodes = lo if lo == hi else f"{lo}:{hi}"
         _say(f"no rendezvous round formed within fault.rendezvous_timeout_s = {fault.rendezvous_timeout_s:g} "
              f"s: fewer than {lo} host(s) joined at {rdzv_endpoint} (--nnodes {nnodes}). Is every host's "
-             "agent started, with the same --rdzv-endpoint and --rdzv-id?")
+             "agent started, with the same --rdzv-endpoint, --rdzv-id and --nnodes?")
+        if rendezvous.serves_store():  # the agents still waiting read the rendezvous closed before it goes
+            time.sleep(2 * (fault.rendezvous_poll_s or rendezvous.poll_interval_s(max_nodes)) + 1)
+        return 1
+    except RendezvousClosedError:
+        # another agent closed it: its round never formed (a timeout there, another --nnodes) or the job
+        # ended there; elastic's traceback said neither
+        _say(f"the rendezvous {config.run_id} at {rdzv_endpoint} was closed by another host's agent, "
+             "which has ended (its log says why: a rendezvous timeout, another --nnodes, the job's end); "
+             "this host cannot join it. Launch every host again, with the same --nnodes")
         return 1
     except SignalException as e:
         # the workers have saved and exited (elastic's shutdown waited for them), those of the other hosts

@@ -37,15 +37,6 @@ def key(rdzv_id: str) -> str:
     return f"megascale/refused/{rdzv_id}"
 
 
-def _is_this_host(host: str) -> bool:
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.bind((host, 0))  # binds only to an address of this host
-        return True
-    except OSError:
-        return False
-
-
 def post(endpoint: str, rdzv_id: str, host: str, message: str, others: int, timeout_s: float) -> bool:
     """Put this host's refusal where the `others` waiting hosts' agents read it: in the store at
     `endpoint`, waited for up to `timeout_s` (the others may start later), or, where the endpoint is this
@@ -54,11 +45,13 @@ def post(endpoint: str, rdzv_id: str, host: str, message: str, others: int, time
     rdzv-store, must not refuse the next launch). Whether it was read."""
     import torch.distributed as dist
 
+    from megascale.fault.rendezvous import is_this_host  # it imports this module
+
     addr, _, port = endpoint.rpartition(":")
     addr = addr.strip("[]")
     deadline = time.monotonic() + timeout_s
     try:
-        serve = _is_this_host(addr)
+        serve = is_this_host(addr)
         while not serve:  # the store's host may start after this one
             try:
                 socket.create_connection((addr, int(port)), timeout=2).close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import threading
 from collections.abc import Callable
 
@@ -119,6 +120,22 @@ def _client(host: str, port: int):
 
     return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=STATE_TIMEOUT_S))
+
+
+def is_this_host(addr: str) -> bool:
+    """Whether `addr` is an address of this machine (one a socket binds to)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as probe:
+            probe.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+def connect(endpoint: str):
+    """A client of the rendezvous store at HOST:PORT (calls bounded by its timeout)."""
+    host, _, port = endpoint.rpartition(":")
+    return _client(host.strip("[]"), int(port))
 
 
 def poll_interval_s(max_nodes: int) -> float:
