@@ -73,8 +73,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return _launch(args)
     except UserError as e:
         lo, _, hi = args.nnodes.partition(":")
-        if args.unblock is not None or not lo.isdigit() or int(lo) < 2:
-            raise
+        if args.unblock is not None or not lo.isdigit() or int(lo) < 2 or not args.rdzv_id:
+            raise  # without --rdzv-id a store that serves several jobs could not tell whose refusal it is
         # a multi-host job that this host will not join: the hosts waiting for it learn why at once,
         # not as "fewer than N hosts joined" after the rendezvous timeout (fault/refusal.py)
         print(f"megascale launch: error: {e}", file=sys.stderr, flush=True)

@@ -9,7 +9,8 @@ the job's rendezvous store (`post`), and the agents waiting in a round read it b
 the round's state (`Watch`): each ends at once, exit 2, naming the host and its line.
 
 The key is named by the command line's --rdzv-id (every host's is the same), not by the run id the
-agents derive from the config, which a host that cannot read its config cannot know. When the endpoint
+agents derive from the config, which a host that cannot read its config cannot know; without one (a
+job that may share its store with others) nothing is posted or read. When the endpoint
 is the refusing host's own address, no agent serves the store: the refusing host serves one itself,
 only for this, until the other hosts have read it or the rendezvous timeout has passed.
 """

@@ -183,7 +183,7 @@ def create_handler(params):
     os.environ[SERVES_ENV] = "1" if _serves(params, host) else ""  # the workers inherit it
     backend = make_backend(lambda: _client(host, port), params.run_id)
     # a host whose own checks failed before its agent started posts why (fault/refusal.py): read it
-    watching = refusal.ENV in os.environ  # set by megascale launch
+    watching = bool(os.environ.get(refusal.ENV))  # megascale launch with --rdzv-id (fault/refusal.py)
     every = max(1.0, params.max_nodes / 200)  # ~200 reads a second on the store at most, as the polls
     _WATCHERS[:] = ([refusal.Watch(os.environ[refusal.ENV], backend.on_store, serves_store, every)]
                     if watching else [])
