@@ -381,20 +381,9 @@ def _wait_for_store(endpoint: str, timeout: float) -> None:
     """Until the rendezvous store at `endpoint` (host:port) accepts connections, or `timeout` s: hosts start
     in any order, and the store's host may come up after this one. Nothing to wait for when the
     endpoint is an address of this host, whose agent will serve the store itself."""
-    host = _endpoint_host(endpoint)
-    port = endpoint.rpartition(":")[2] if ":" in endpoint else ""  # none: elastic's default, 29400
-    if rendezvous.is_this_host(host):
-        return
-    deadline, said = time.monotonic() + timeout, False
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((host, int(port or 29400)), timeout=2).close()
-            return
-        except OSError:
-            if not said:
-                _say(f"waiting up to {timeout:.0f} s for the rendezvous store at {endpoint}")
-                said = True
-            time.sleep(1.0)
+    if not rendezvous.is_this_host(rendezvous.split_endpoint(endpoint)[0]):
+        rendezvous.store_reachable(endpoint, timeout, lambda: _say(
+            f"waiting up to {timeout:.0f} s for the rendezvous store at {endpoint}"))
 
 
 def _beat_store():
@@ -461,8 +450,8 @@ def _launch_where_open(config, argv: tuple[str, ...], agent, endpoint: str) -> N
 def _generation(endpoint: str, key: str) -> int:
     """The job's current generation, where its store outlives launches: 0 where this agent serves the store
     (a new one) or cannot ask."""
-    host, _, port = endpoint.rpartition(":")
-    if port in ("", "0") or rendezvous.is_this_host(host.strip("[]")):
+    host, port = rendezvous.split_endpoint(endpoint)
+    if port == 0 or rendezvous.is_this_host(host):
         return 0
     try:
         return int(rendezvous.connect(endpoint).add(key, 0))
@@ -495,12 +484,6 @@ def _leave_together(agent) -> None:
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store or a peer gone already: nothing to wait for
         pass
-
-
-def _endpoint_host(endpoint: str) -> str:
-    """HOST of HOST:PORT ([v6]:PORT too), as a host id names it."""
-    host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
-    return host.strip("[]")
 
 
 def rendezvous_configs(min_nodes: int, max_nodes: int, fault: FaultConfig) -> dict:
@@ -591,7 +574,7 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
     agent = None
     try:
-        store_host = _endpoint_host(rdzv_endpoint)
+        store_host = rendezvous.split_endpoint(rdzv_endpoint)[0]
         with _our_agent(fault, max_nodes > 1, host, run_dir, _beat_store(), store_host, log) as agent:
             _launch_where_open(config, argv, agent, rdzv_endpoint)
         _leave_together(agent)
@@ -612,7 +595,7 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
         return 2
     except RendezvousConnectionError as e:
         # _rendezvous retried: the store is gone, most often with its host
-        store_host = _endpoint_host(rdzv_endpoint)
+        store_host = rendezvous.split_endpoint(rdzv_endpoint)[0]
         banned = blocklist.entry(run_dir, store_host)
         gone = (f"its host {store_host} was evicted ({banned.get('reason')}) and does not come back"
                 if banned is not None

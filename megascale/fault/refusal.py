@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 import time
 from collections.abc import Callable
 
@@ -46,22 +45,15 @@ def post(endpoint: str, rdzv_id: str, host: str, message: str, others: int, time
     rdzv-store, must not refuse the next launch). Whether it was read."""
     import torch.distributed as dist
 
-    from megascale.fault.rendezvous import is_this_host  # it imports this module
+    from megascale.fault import rendezvous  # it imports this module
 
-    addr, _, port = endpoint.rpartition(":")
-    addr = addr.strip("[]")
     deadline = time.monotonic() + timeout_s
     try:
-        serve = is_this_host(addr)
-        while not serve:  # the store's host may start after this one
-            try:
-                socket.create_connection((addr, int(port)), timeout=2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(1.0)
-        store = dist.TCPStore(addr, int(port), is_master=serve, wait_for_workers=False,
+        addr, port = rendezvous.split_endpoint(endpoint)
+        serve = rendezvous.is_this_host(addr)
+        if not serve and not rendezvous.store_reachable(endpoint, timeout_s):
+            return False
+        store = dist.TCPStore(addr, port, is_master=serve, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=5))
         store.set(key(rdzv_id), json.dumps({"host": host, "message": message, "others": others}))
         while time.monotonic() < deadline:

@@ -30,6 +30,7 @@ import datetime
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from megascale.fault import refusal
@@ -122,6 +123,17 @@ def _client(host: str, port: int):
                          timeout=datetime.timedelta(seconds=STATE_TIMEOUT_S))
 
 
+DEFAULT_PORT = 29400  # elastic's, for an endpoint that names none
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """(host, port) of HOST[:PORT] ([v6]:PORT too)."""
+    if ":" not in endpoint:
+        return endpoint, DEFAULT_PORT
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port) if port else DEFAULT_PORT
+
+
 def is_this_host(addr: str) -> bool:
     """Whether `addr` is an address of this machine (one a socket binds to)."""
     try:
@@ -132,10 +144,27 @@ def is_this_host(addr: str) -> bool:
         return False
 
 
+def store_reachable(endpoint: str, timeout_s: float, waiting: Callable[[], None] = lambda: None) -> bool:
+    """Whether the store at `endpoint` accepts connections within `timeout_s` (hosts start in any order,
+    and the store's may come up after this one); `waiting()` once if it has to wait."""
+    host, port = split_endpoint(endpoint)
+    deadline, said = time.monotonic() + timeout_s, False
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            if not said:
+                waiting()
+                said = True
+            time.sleep(1.0)
+
+
 def connect(endpoint: str):
     """A client of the rendezvous store at HOST:PORT (calls bounded by its timeout)."""
-    host, _, port = endpoint.rpartition(":")
-    return _client(host.strip("[]"), int(port))
+    return _client(*split_endpoint(endpoint))
 
 
 def poll_interval_s(max_nodes: int) -> float:
