@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         # operator looks, and the host that differs is often not rank 0's).
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"megascale {args.verb}: error: {e}", file=sys.stderr, flush=True)
-        if os.environ.get("LOCAL_RANK", "0") != "0":
+        else:
             # Let the host's first rank exit first: its launcher stops the host's other workers as soon
             # as one exits with an error, and that rank must not be stopped before it has said why.
             time.sleep(_FOLLOWER_EXIT_DELAY_S)

@@ -169,6 +169,17 @@ def test_launch_checks_its_own_arguments(tmp_path, data):
     assert r.returncode == 2 and "checkpoint.resume" in r.stderr, r.stderr
 
 
+def test_nnodes_is_n_or_min_max_and_anything_else_one_line():
+    from megascale.errors import UserError
+    from megascale.fault.rendezvous import parse_nnodes
+
+    assert parse_nnodes("2") == (2, 2) and parse_nnodes("1:4") == (1, 4)
+    for bad, says in [("two", "is not N or MIN:MAX"), ("1:2:3", "is not N or MIN:MAX"), (":2", "is not N"),
+                      ("3:", "is not N"), ("3:2", "1 <= MIN <= MAX"), ("0", "1 <= MIN <= MAX")]:
+        with pytest.raises(UserError, match=says):
+            parse_nnodes(bad)
+
+
 def test_sigterm_to_a_worker_stops_the_job_with_a_checkpoint_and_no_restart(tmp_path, data):
     """A SIGTERM that reaches a worker and not its agent (another host's agent preempted by its scheduler:
     the ranks agree to stop together): every rank saves and exits 143, and the agent ends the same way.

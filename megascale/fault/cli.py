@@ -67,24 +67,29 @@ def _cmd_rdzv_store(args: argparse.Namespace) -> int:
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from megascale.fault import refusal
+    from megascale.fault.rendezvous import parse_nnodes
 
     os.environ[refusal.ENV] = args.rdzv_id  # the agent watches for other hosts' refusals under it
     try:
         return _launch(args)
     except UserError as e:
-        lo, _, hi = args.nnodes.partition(":")
-        if args.unblock is not None or not lo.isdigit() or int(lo) < 2 or not args.rdzv_id:
+        try:
+            min_nodes = parse_nnodes(args.nnodes)[0]
+        except UserError:
+            raise e from None
+        if args.unblock is not None or min_nodes < 2 or not args.rdzv_id:
             raise  # without --rdzv-id a store that serves several jobs could not tell whose refusal it is
         # a multi-host job that this host will not join: the hosts waiting for it learn why at once,
         # not as "fewer than N hosts joined" after the rendezvous timeout (fault/refusal.py)
         print(f"megascale launch: error: {e}", file=sys.stderr, flush=True)
         from megascale.config import FaultConfig
 
-        wait = FaultConfig().rendezvous_timeout_s
+        # the job's own timeout where its config loaded (the error came after it), else the default
+        wait = getattr(args, "rendezvous_timeout_s", FaultConfig().rendezvous_timeout_s)
         print(f"megascale launch: telling the hosts that meet at {args.rdzv_endpoint} why this one will not "
               f"join (for up to {wait:g} s)", file=sys.stderr, flush=True)
         refusal.post(args.rdzv_endpoint, args.rdzv_id, args.local_addr or socket.gethostname(), str(e),
-                     int(lo) - 1, wait)
+                     min_nodes - 1, wait)
         return e.exit_code
 
 
@@ -92,17 +97,16 @@ def _launch(args: argparse.Namespace) -> int:
     from megascale.cli import _default_config
     from megascale.config import check_world_size, load_config
     from megascale.fault.driver import launch
+    from megascale.fault.rendezvous import parse_nnodes
 
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)  # the arguments first: no config is read for them
     if args.config is None:
         args.config, *extra = _default_config(args.overrides)
         args.overrides = [*extra, *args.overrides]
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any host starts
+    args.rendezvous_timeout_s = cfg.fault.rendezvous_timeout_s
     if not cfg.checkpoint.resume:
         raise UserError("checkpoint.resume: must stay true under megascale launch (a restart resumes)")
-    max_nodes = int(args.nnodes.partition(":")[2] or args.nnodes.partition(":")[0]) \
-        if args.nnodes.replace(":", "").isdigit() else None
-    if max_nodes is None:
-        raise UserError(f"--nnodes: {args.nnodes!r} is not N or MIN:MAX")
     if args.unblock is not None:
         from megascale.fault import blocklist
 
@@ -110,8 +114,7 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"megascale launch: {args.unblock} " + ("is off the blocklist of " if was else "was not on the "
               "blocklist of ") + str(blocklist.path(cfg.train.run_dir)))
         return 0
-    lo, _, hi = args.nnodes.partition(":")
-    if hi and hi != lo and cfg.parallel.dp != 0:
+    if min_nodes != max_nodes and cfg.parallel.dp != 0:
         raise UserError(f"--nnodes {args.nnodes}: a job whose host count may change needs parallel.dp = 0 "
                         f"(data parallel size from the world); parallel.dp = {cfg.parallel.dp} fits one "
                         "count only")

@@ -502,13 +502,7 @@ def rendezvous_configs(min_nodes: int, max_nodes: int, fault: FaultConfig) -> di
 def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, train_argv: list[str],
            fault: FaultConfig, local_addr: str | None = None, run_dir: str = "runs/default") -> int:
     """Run `megascale train <train_argv>` as this host's part of the job; the job's exit code."""
-    lo, _, hi = nnodes.partition(":")
-    try:
-        min_nodes, max_nodes = int(lo), int(hi or lo)
-    except ValueError:
-        raise UserError(f"--nnodes: {nnodes!r} is not N or MIN:MAX") from None
-    if not 1 <= min_nodes <= max_nodes:
-        raise UserError(f"--nnodes: need 1 <= MIN <= MAX, got {nnodes!r}")
+    min_nodes, max_nodes = rendezvous.parse_nnodes(nnodes)
     if nproc_per_node < 1:
         raise UserError(f"--nproc-per-node: must be >= 1, got {nproc_per_node}")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))

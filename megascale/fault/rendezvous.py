@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from megascale.errors import UserError
 from megascale.fault import refusal
 
 BACKEND = "megascale-c10d"
@@ -124,6 +125,17 @@ def _client(host: str, port: int):
 
 
 DEFAULT_PORT = 29400  # elastic's, for an endpoint that names none
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """`--nnodes N` or `MIN:MAX` as (min, max) hosts."""
+    lo, colon, hi = text.partition(":")
+    if not lo.isdigit() or (colon and not hi.isdigit()):
+        raise UserError(f"--nnodes: {text!r} is not N or MIN:MAX")
+    low, high = int(lo), int(hi or lo)
+    if not 1 <= low <= high:
+        raise UserError(f"--nnodes {text}: needs 1 <= MIN <= MAX")
+    return low, high
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
