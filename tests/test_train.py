@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -225,6 +226,32 @@ def test_bad_inputs_are_one_line_exit_2(corpus, tmp_path):
     idx = good / "ds.idx"
     idx.write_bytes(b"garbage" + idx.read_bytes()[7:])
     check([f"data.path={good}/ds", "data.source="], "ds.idx")
+
+
+def test_a_resume_on_other_tokens_is_refused_and_on_a_moved_copy_goes_on(corpus, tmp_path):
+    """The data position in a checkpoint is a count of samples: a dataset rebuilt with the same sizes and
+    other tokens (another tokenizer's ids) went on "exactly" over other text. Now one line naming the
+    field, the checkpoint kept; the same tokens at another path resume."""
+    from megascale.data.indexed import IndexedDataset
+    from megascale.errors import UserError
+
+    first = tmp_path / "first" / "ds"
+    cfg = tiny(corpus, tmp_path / "run", "train.steps=2", f"data.path={json.dumps(str(first))}")
+    Trainer(cfg, quiet=True).fit()
+    moved = tmp_path / "moved"
+    shutil.copytree(first.parent, moved)  # the same tokens elsewhere: resumes
+    at = f"data.path={json.dumps(str(moved / 'ds'))}"
+    again = Trainer(tiny(corpus, tmp_path / "run", "train.steps=3", at), quiet=True)
+    assert again.step == 2
+    again.close()
+    dtype = IndexedDataset(first).tokens.dtype
+    tokens = np.fromfile(first.with_suffix(".bin"), dtype=dtype)
+    ((tokens + 1) % 256).astype(dtype).tofile(first.with_suffix(".bin"))  # the same sizes, other ids
+    with pytest.raises(UserError, match=r"^data.path: holds other data than the checkpoint was taken on: .* "
+                       r"\(the same sizes, other tokens\); resuming needs the same tokens .*model.init_from"):
+        Trainer(tiny(corpus, tmp_path / "run", "train.steps=3", f"data.path={json.dumps(str(first))}"),
+                quiet=True)
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [2]
 
 
 def test_corrupt_checkpoint_is_a_clear_error(corpus, tmp_path):

@@ -50,7 +50,8 @@ def describe(fp: dict[str, object]) -> str:
 
 def datasets_of(samples) -> list[tuple[str, Documents]]:
     """(the config field that names it, dataset) of each dataset the training samples read: the
-    parts of a blend (`BlendedSamples.parts`), else the one dataset."""
+    parts of a blend (`BlendedSamples.parts`), else the one dataset; none for rows held in memory (a
+    benchmark's or a test's synthetic samples)."""
     if hasattr(samples, "parts"):
         return [(f"data.blend[{i}]", part.dataset) for i, part in enumerate(samples.parts)]
-    return [("data.path", samples.dataset)]
+    return [("data.path", samples.dataset)] if hasattr(samples, "dataset") else []

@@ -27,7 +27,16 @@ import numpy as np
 import torch
 
 from megascale.data.dataset import PackedSamples, epoch_permutation
+from megascale.data.fingerprint import datasets_of, describe, fingerprint
 from megascale.errors import UserError
+
+# the way to train a checkpoint's weights on other data: a new run from them, its data position at zero
+_NEW_RUN = ("to train these weights on other data, export them (megascale export RUN --format hf --output "
+            "DIR) and start a new run with model.init_from=hf:DIR")
+
+
+def _content(held: dict[str, Any]) -> tuple:
+    return held["docs"], held["tokens"], held["digest"]
 
 
 class BatchLoader:
@@ -51,6 +60,7 @@ class BatchLoader:
         self.samples, self.global_batch, self.seed, self.shuffle = samples, global_batch, seed, shuffle
         self.dp_rank, self.dp_size, self.prefetch = dp_rank, dp_size, prefetch
         self.consumed_samples = 0
+        self._held: list[dict[str, Any]] | None = None  # what the datasets hold: computed at the first save
         self._perms: dict[int, np.ndarray] = {}  # epoch -> order; a batch spans at most a few epochs
         self._perm_lock = threading.Lock()  # shared by the caller and the prefetch thread
         self._thread: threading.Thread | None = None
@@ -176,9 +186,16 @@ class BatchLoader:
 
     # ---- state
 
+    def held(self) -> list[dict[str, Any]]:
+        """What each dataset the samples read holds (data/fingerprint.py: sizes and a digest, no paths,
+        which may move), named by its config field; computed once (milliseconds on any corpus)."""
+        if self._held is None:
+            self._held = [{"field": field, **fingerprint(ds)} for field, ds in datasets_of(self.samples)]
+        return self._held
+
     def state_dict(self) -> dict[str, Any]:
         state = {"consumed_samples": self.consumed_samples, "num_samples": self.num_samples,
-                 "seed": self.seed, "shuffle": self.shuffle}
+                 "seed": self.seed, "shuffle": self.shuffle, "data": self.held()}
         blend = getattr(self.samples, "blend_signature", None)
         if blend is not None:  # data.blend: the weights and sizes its order depends on (blend.py)
             state["blend"] = blend
@@ -188,6 +205,7 @@ class BatchLoader:
         """Continue from a `state_dict`. The sample set and seed must be the ones it was taken with,
         else the order would silently differ; the global batch size may change."""
         mine = self.state_dict()
+        self._check_same_data(state.get("data"), mine["data"])
         for key in ("num_samples", "seed", "shuffle", "blend"):
             if key in state and state[key] != mine.get(key):
                 raise UserError(
@@ -197,6 +215,23 @@ class BatchLoader:
                 )
         self._halt()
         self.consumed_samples = int(state["consumed_samples"])
+
+    @staticmethod
+    def _check_same_data(then: list[dict[str, Any]] | None, now: list[dict[str, Any]]) -> None:
+        """A checkpoint resumes on the tokens it was taken on. The position is a count of samples, so a
+        dataset rebuilt with the same sizes (another tokenizer, a newer dump that happens to pack alike)
+        would go on "exactly" over other text, and one of other sizes in another order: both silent."""
+        if then is None:  # a checkpoint of an older megascale records none
+            return
+        if len(then) != len(now):
+            raise UserError(f"data.blend: the checkpoint was taken on {len(then)} dataset(s), this run reads "
+                            f"{len(now)}; resuming needs the same data ({_NEW_RUN})")
+        for was, is_ in zip(then, now, strict=True):
+            if _content(was) != _content(is_):
+                same = " (the same sizes, other tokens)" if _content(was)[:2] == _content(is_)[:2] else ""
+                raise UserError(f"{is_['field']}: holds other data than the checkpoint was taken on: "
+                                f"{describe(is_)} now, {describe(was)} then{same}; resuming needs the same "
+                                f"tokens ({_NEW_RUN})")
 
     def reset(self) -> None:
         """Back to the first sample (e.g. to run the same validation batches at every evaluation)."""
