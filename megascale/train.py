@@ -72,7 +72,7 @@ from megascale.observe.stragglers import costliest
 from megascale.observe.watchdog import enable_flight_recorder
 from megascale.optim import lr_at, set_lr
 from megascale.parallel.engine import ParallelEngine, layout_of
-from megascale.parallel.mesh import Mesh
+from megascale.parallel.mesh import Mesh, tp_across_hosts
 from megascale.perf.flops import flops_per_token, published_flops_per_token
 from megascale.perf.hardware import PeakInfo, peak_info, record_matmul_rate
 
@@ -157,6 +157,8 @@ class Trainer:
         if self.world_size > 1:
             self.mesh = create_mesh(self.dist, cfg.parallel, cfg.distributed)
             first_collective(self.dist, self.mesh, self.device)
+            if (spanning := tp_across_hosts(hosts, self.mesh.dp, self.mesh.pp, self.mesh.tp)) is not None:
+                self._warn(spanning)  # it runs, only slowly: said once, at the start
             if cfg.fault.selfcheck and under_launcher():
                 with self._phase("selfcheck"):
                     self._selfcheck()

@@ -11,7 +11,14 @@ from _dist import WorkerPool
 
 from megascale.config import ParallelConfig
 from megascale.errors import UserError
-from megascale.parallel.mesh import Mesh, check_world_size, coordinates, group_ranks, rank_grid
+from megascale.parallel.mesh import (
+    Mesh,
+    check_world_size,
+    coordinates,
+    group_ranks,
+    rank_grid,
+    tp_across_hosts,
+)
 
 SHAPES = [(1, 1, 1), (1, 1, 4), (2, 1, 2), (1, 2, 2), (2, 2, 2), (3, 2, 4), (2, 4, 1)]
 
@@ -106,3 +113,16 @@ def test_groups_on_two_processes(pool):
     assert r0["pp"] == ((0, 0, 0), 3.0, False, False) and r1["pp"] == ((0, 1, 0), 3.0, False, True)
     assert r0["dp"] == ((0, 0, 0), 3.0, True, True) and r1["dp"] == ((1, 0, 0), 3.0, True, True)
     assert "must equal the number of processes, 2" in r0["error"]
+
+
+def test_tp_groups_across_hosts_are_named_with_the_ranks_per_host():
+    eight = ["a"] * 4 + ["b"] * 4
+    assert tp_across_hosts(eight, 2, 1, 4) is None and tp_across_hosts(eight, 1, 2, 4) is None
+    assert tp_across_hosts(["a"] * 8, 1, 1, 8) is None
+    said = tp_across_hosts(eight, 1, 1, 8)
+    assert said.startswith("parallel.tp = 8: 1 of 1 tensor-parallel groups span hosts (ranks 0-7 on a (4), "
+                           "b (4))") and said.endswith("(4 here)"), said
+    six = ["a"] * 6 + ["b"] * 6  # 6 ranks a host, tp 4: the second group straddles, the others do not
+    said = tp_across_hosts(six, 3, 1, 4)
+    assert said.startswith("parallel.tp = 4: 1 of 3 tensor-parallel groups span hosts (ranks 4-7 on a (2), "
+                           "b (2))") and said.endswith("(6 here)"), said

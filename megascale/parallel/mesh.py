@@ -78,6 +78,25 @@ def group_ranks(dp: int, pp: int, tp: int, kind: str) -> list[list[int]]:
     return groups.tolist()
 
 
+def tp_across_hosts(hosts: list[str], dp: int, pp: int, tp: int) -> str | None:
+    """Why this layout's tensor-parallel groups leave their machine, or None: given each global rank's
+    host, the groups that span several. A tp group makes several collectives in every layer, in the
+    critical path, sized for NVLink inside a machine; across hosts they go over the network, and a
+    job that runs is then many times slower (tp larger than --nproc-per-node, or not a divisor of it)."""
+    spanning = [g for g in group_ranks(dp, pp, tp, "tp") if len({hosts[r] for r in g}) > 1]
+    if not spanning:
+        return None
+    first = spanning[0]
+    on = {}
+    for r in first:
+        on[hosts[r]] = on.get(hosts[r], 0) + 1
+    per_host = min(hosts.count(h) for h in set(hosts))
+    where = ", ".join(f"{h} ({n})" for h, n in on.items())
+    return (f"parallel.tp = {tp}: {len(spanning)} of {dp * pp} tensor-parallel groups span hosts (ranks "
+            f"{first[0]}-{first[-1]} on {where}): every layer's tp collectives cross the network instead of "
+            f"staying inside a machine. Keep parallel.tp a divisor of the ranks per host ({per_host} here)")
+
+
 def check_world_size(cfg: ParallelConfig, world_size: int) -> None:
     if cfg.world_size != world_size:
         raise UserError(
