@@ -133,7 +133,11 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     warmup_steps: int = 100
-    schedule: str = "cosine"  # "cosine" (warm-up then cosine to min_lr) or "constant" (after warm-up)
+    # after the warm-up: "cosine" or "linear" down to min_lr at train.steps; "wsd" (warm-up, stable,
+    # decay) holds lr, then its last decay_fraction of train.steps falls to min_lr as 1 - sqrt(progress);
+    # "constant" holds lr
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd: the share of train.steps that decays (the last ones)
     grad_clip: float = 1.0  # global grad-norm clipping; 0 turns it off
 
 
@@ -439,7 +443,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.fused_ops: must be true or false, got {m.fused_ops!r}")
 
     _choice("optim.name", o.name, ("adamw", "lamb"))
-    _choice("optim.schedule", o.schedule, ("cosine", "constant"))
+    _choice("optim.schedule", o.schedule, ("cosine", "linear", "wsd", "constant"))
+    if not 0.0 < o.decay_fraction <= 1.0:
+        raise ConfigError(f"optim.decay_fraction: must be in (0, 1], got {o.decay_fraction}")
     _positive("optim.lr", o.lr)
     _positive("optim.min_lr", o.min_lr, allow_zero=True)
     if o.min_lr > o.lr:

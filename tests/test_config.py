@@ -57,6 +57,8 @@ def test_round_trip_through_toml(tmp_path):
         (["model.rope_theta=0"], "model.rope_theta", "> 0"),
         (["model.norm_eps=-1e-5"], "model.norm_eps", ">= 0"),
         (["optim.eps=-1e-8"], "optim.eps", ">= 0"),
+        (["optim.schedule=step"], "optim.schedule", "must be one of"),
+        (["optim.schedule=wsd", "optim.decay_fraction=0"], "optim.decay_fraction", "(0, 1]"),
         (["train.eval_batches=0"], "train.eval_batches", "> 0"),  # validation of nothing: a NaN loss
         (['train.run_dir=""'], "train.run_dir", "current one"),
         (["noequals"], "noequals", "section.field=value"),

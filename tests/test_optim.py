@@ -260,6 +260,25 @@ def test_schedule_constant_and_no_warmup():
     assert lr_at(100, cos, 100) == pytest.approx(0.0)
 
 
+def test_schedule_linear_and_warmup_stable_decay():
+    lin = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, schedule="linear")
+    got = [lr_at(s, lin, 110) for s in (9, 10, 60, 110, 500)]
+    assert got == pytest.approx([1e-3, 1e-3, 5.5e-4, 1e-4, 1e-4])
+    # wsd: warm-up to step 10, lr held to step 80, the last 20% (steps 80-100) fall as 1 - sqrt
+    wsd = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, schedule="wsd", decay_fraction=0.2)
+    assert lr_at(4, wsd, 100) == pytest.approx(5e-4) and lr_at(10, wsd, 100) == lr_at(79, wsd, 100) == 1e-3
+    assert lr_at(85, wsd, 100) == pytest.approx(1e-4 + 9e-4 * 0.5)  # a quarter of the way: 1 - sqrt(1/4)
+    assert lr_at(100, wsd, 100) == pytest.approx(1e-4) and lr_at(500, wsd, 100) == pytest.approx(1e-4)
+    values = [lr_at(s, wsd, 100) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    # extended on resume (train.steps 100 -> 200): the steps so far had the same lr, the decay moved
+    assert [lr_at(s, wsd, 200) for s in range(80)] == [lr_at(s, wsd, 100) for s in range(80)]
+    assert lr_at(150, wsd, 200) == 1e-3 and lr_at(200, wsd, 200) == pytest.approx(1e-4)
+    # a decay longer than what follows the warm-up starts right after it
+    short = OptimConfig(lr=1e-3, min_lr=0.0, warmup_steps=10, schedule="wsd", decay_fraction=1.0)
+    assert lr_at(10, short, 20) == 1e-3 and lr_at(15, short, 20) == pytest.approx(1e-3 * (1 - 0.5 ** 0.5))
+
+
 def test_set_lr_sets_every_group():
     opt = build_optimizer(nn.Linear(3, 3), OptimConfig(name="lamb"))
     set_lr(opt, 0.123)

@@ -228,6 +228,26 @@ def test_bad_inputs_are_one_line_exit_2(corpus, tmp_path):
     check([f"data.path={good}/ds", "data.source="], "ds.idx")
 
 
+def test_a_warmup_stable_decay_run_is_extended_on_resume(corpus, tmp_path):
+    """optim.schedule = wsd through the Trainer: a run planned for 8 steps, stopped at 5 (before its
+    decay) and resumed with train.steps = 12, had the lr of the longer plan at every step: the stable
+    phase grew, the decay moved to the new end, down to min_lr."""
+    from megascale.optim import lr_at
+
+    wsd = ("optim.schedule=wsd", "optim.decay_fraction=0.25", "optim.warmup_steps=2", "optim.min_lr=1e-5",
+           "train.eval_interval=0")
+    cfg = tiny(corpus, tmp_path / "run", "train.steps=8", *wsd)
+    Trainer(cfg, quiet=True).fit(max_steps=5)
+    longer = tiny(corpus, tmp_path / "run", "train.steps=12", *wsd)
+    again = Trainer(longer, quiet=True)
+    assert again.step == 5
+    again.fit()
+    lrs = [json.loads(x)["lr"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+           if json.loads(x)["kind"] == "train"]
+    assert lrs == [lr_at(s, longer.optim, 12) for s in range(12)]
+    assert lrs[2:9] == [longer.optim.lr] * 7 and lrs[-1] < lrs[-2] < lrs[8]  # stable to step 9, then down
+
+
 def test_a_resume_on_other_tokens_is_refused_and_on_a_moved_copy_goes_on(corpus, tmp_path):
     """The data position in a checkpoint is a count of samples: a dataset rebuilt with the same sizes and
     other tokens (another tokenizer's ids) went on "exactly" over other text. Now one line naming the
