@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from megascale.errors import UserError
+from megascale.errors import CollectiveFailed, UserError
 
 _FOLLOWER_EXIT_DELAY_S = 5.0
 
@@ -195,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
 
         time.sleep(delays(int(os.environ.get("RANK", "0"))).get("exit", 0.0))  # tests: a slow teardown
         return e.exit_code
+    except CollectiveFailed:
+        # the rank said what failed, where, and where its stacks are (observe/watchdog.py): a traceback
+        # from each rank of the job would only bury those lines. Exit 1: a crash, which a launcher restarts
+        return 1
     except KeyboardInterrupt:
         print(f"megascale {args.verb}: interrupted", file=sys.stderr)
         return 130

@@ -25,3 +25,10 @@ class PeerHostEvicted(UserError):
     place, or with fewer hosts when `--nnodes MIN:MAX` and `parallel.dp = 0` allow it."""
 
     exit_code = 5
+
+
+class CollectiveFailed(Exception):
+    """A collective of this rank failed (a peer died, a link dropped, a timeout) and the rank has said so
+    in one line, naming the op, and written its stacks and in-flight ops to its hang dump
+    (observe/watchdog.py). The CLI exits 1 without a traceback (the dump has the stacks): a crash, which
+    `megascale launch` restarts. The error it stands for is its __cause__."""

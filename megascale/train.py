@@ -60,7 +60,7 @@ from megascale.distributed.init import (
     set_collective_timeout,
 )
 from megascale.distributed.same_config import check_same_config, check_same_data, check_shared_run_dir
-from megascale.errors import HostCheckError, PeerHostEvicted, UserError
+from megascale.errors import CollectiveFailed, HostCheckError, PeerHostEvicted, UserError
 from megascale.fault import blocklist
 from megascale.fault.inject import attempt, delays, fires_once, host_id, inject
 from megascale.fault.selfcheck import host_selfcheck, under_launcher
@@ -480,7 +480,8 @@ class Trainer:
                                     f"{self.step}; checkpoint {path}; run the same command to resume", bar)
         except Exception as e:
             self.heartbeat.update(status="failed", last_log=f"{type(e).__name__}: {str(e)[:200]}")
-            self.observer.on_error(e)  # a collective that timed out: dump who waited for what, then fail
+            if self.observer.on_error(e):  # a collective that failed: said, with who waited for what
+                raise CollectiveFailed(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
             raise
         finally:
             if bar is not None:

@@ -53,6 +53,10 @@ def test_a_stuck_training_collective_fails_at_its_timeout_with_a_dump(tmp_path, 
     assert dump.exists(), r.stderr[-3000:]
     rec = json.loads(dump.read_text())
     assert "collective failed" in rec["reason"] and rec["record"]["current"] is not None
+    # one line says it, naming the op and the dump; no traceback under it (the dump has the stacks)
+    assert "megascale: rank 0: collective failed: " in r.stderr and f"stacks and in-flight ops in {dump}" \
+        in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
 
 
 def _child(code: str) -> subprocess.Popen:
@@ -110,9 +114,11 @@ def test_a_dead_peer_is_dumped_without_waiting_for_a_diagnosis():
     from megascale.observe.session import Observer
 
     calls = []
-    me = SimpleNamespace(watchdog=SimpleNamespace(dump=lambda reason, diagnose=True: calls.append(diagnose)))
-    Observer.on_error(me, RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-                                       "[198.18.0.2]:39121"))
-    Observer.on_error(me, RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 6000ms"))
-    Observer.on_error(me, ValueError("not a collective's error"))
-    assert calls == [False, True]
+    me = SimpleNamespace(watchdog=SimpleNamespace(dump=lambda reason, diagnose=True: calls.append(diagnose)
+                                                  or "rank_00000.json"))
+    said = [Observer.on_error(me, RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                                               "[198.18.0.2]:39121")),
+            Observer.on_error(me, RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                                               "6000ms")),
+            Observer.on_error(me, ValueError("not a collective's error"))]
+    assert calls == [False, True] and said == [True, True, False]  # (said: no traceback after the line)

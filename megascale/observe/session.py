@@ -164,20 +164,23 @@ class Observer:
                      f"per op, steps {first}-{step}), {rec['windows']} windows in a row")
         return found
 
-    def on_error(self, exc: BaseException) -> None:
+    def on_error(self, exc: BaseException) -> bool:
         """A collective that timed out (or a peer that died) raises here: write this rank's hang dump
-        (in-flight op, stacks, flight recorder) before the error ends the process."""
+        (in-flight op, stacks, flight recorder) before the error ends the process. Whether it was said,
+        in one line naming the op and the dump."""
         if self.watchdog is None or not isinstance(exc, (dist.DistError, RuntimeError)):
-            return
+            return False
         text = str(exc).lower()
         reason = f"collective failed: {str(exc).splitlines()[0][:300]}"
         if any(w in text for w in ("timed out", "timeout")):
-            self.watchdog.dump(reason)  # a hang: take part in the diagnosis of who everyone waits for
-        elif any(w in text for w in ("connection", "closed", "reset", "abort")):
+            # a hang: take part in the diagnosis of who everyone waits for
+            return self.watchdog.dump(reason) is not None
+        if any(w in text for w in ("connection", "closed", "reset", "abort")):
             # a peer died: the error names it already. Write the dump but do not wait for the others'
             # (the dead never write theirs, and the live ones count as live until their beats are 5 s
             # old): the sooner this process exits, the sooner its agent restarts the job
-            self.watchdog.dump(reason, diagnose=False)
+            return self.watchdog.dump(reason, diagnose=False) is not None
+        return False
 
     def layout_record(self) -> dict:
         m = self.mesh
