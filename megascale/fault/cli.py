@@ -70,13 +70,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from megascale.fault.rendezvous import parse_nnodes
 
     os.environ[refusal.ENV] = args.rdzv_id  # the agent watches for other hosts' refusals under it
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)  # a bad --nnodes is this host's alone to say
     try:
-        return _launch(args)
+        return _launch(args, min_nodes, max_nodes)
     except UserError as e:
-        try:
-            min_nodes = parse_nnodes(args.nnodes)[0]
-        except UserError:
-            raise e from None
         if args.unblock is not None or min_nodes < 2 or not args.rdzv_id:
             raise  # without --rdzv-id a store that serves several jobs could not tell whose refusal it is
         # a multi-host job that this host will not join: the hosts waiting for it learn why at once,
@@ -93,13 +90,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return e.exit_code
 
 
-def _launch(args: argparse.Namespace) -> int:
+def _launch(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> int:
     from megascale.cli import _default_config
     from megascale.config import check_world_size, load_config
     from megascale.fault.driver import launch
-    from megascale.fault.rendezvous import parse_nnodes
 
-    min_nodes, max_nodes = parse_nnodes(args.nnodes)  # the arguments first: no config is read for them
     if args.config is None:
         args.config, *extra = _default_config(args.overrides)
         args.overrides = [*extra, *args.overrides]

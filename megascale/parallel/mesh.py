@@ -23,6 +23,7 @@ so it does without, and its start-up creates exactly the groups `mesh_group_kind
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -87,11 +88,8 @@ def tp_across_hosts(hosts: list[str], dp: int, pp: int, tp: int) -> str | None:
     if not spanning:
         return None
     first = spanning[0]
-    on = {}
-    for r in first:
-        on[hosts[r]] = on.get(hosts[r], 0) + 1
-    per_host = min(hosts.count(h) for h in set(hosts))
-    where = ", ".join(f"{h} ({n})" for h, n in on.items())
+    where = ", ".join(f"{h} ({n})" for h, n in Counter(hosts[r] for r in first).items())
+    per_host = min(Counter(hosts).values())
     return (f"parallel.tp = {tp}: {len(spanning)} of {dp * pp} tensor-parallel groups span hosts (ranks "
             f"{first[0]}-{first[-1]} on {where}): every layer's tp collectives cross the network instead of "
             f"staying inside a machine. Keep parallel.tp a divisor of the ranks per host ({per_host} here)")
