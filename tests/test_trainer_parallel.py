@@ -196,8 +196,7 @@ def _start_on_hosts(rank: int, args: list[str], per_host: int) -> str:
 
 def test_tensor_parallel_groups_that_span_hosts_are_said_at_the_start(pools, data, tmp_path):
     """tp's collectives, several in every layer, belong inside a machine: a layout whose tp groups span
-    hosts (tp 4 on hosts of 2 ranks) runs, many times slower, and rank 0 says why at the start; tp 2
-    on the same hosts says nothing."""
+    hosts (tp 4 on hosts of 2 ranks) runs, many times slower, and rank 0 says why at the start."""
     from megascale.data import ensure_dataset
 
     run = overrides(data, tmp_path / "run", "gpt", "adamw", "fp32")
@@ -207,9 +206,7 @@ def test_tensor_parallel_groups_that_span_hosts_are_said_at_the_start(pools, dat
     assert ("megascale: parallel.tp = 4: 1 of 1 tensor-parallel groups span hosts (ranks 0-3 on h0 (2), "
             "h1 (2)): every layer's tp collectives cross the network instead of staying inside a machine. "
             "Keep parallel.tp a divisor of the ranks per host (2 here)\n") in said[0], said[0]
-    assert not any(said[1:]), said
-    said = pool.run(_start_on_hosts, [*run, "parallel.tp=2", "parallel.dp=2"], 2)
-    assert "span hosts" not in said[0], said[0]
+    assert not any(said[1:]), said  # (layouts that keep tp inside a host say nothing: tests/test_mesh.py)
 
 
 # ------------------------------------------------------------------------------------------- CLI
