@@ -17,6 +17,7 @@ are hashed as int64, so a uint16 copy and an int32 copy of the same ids agree.
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import numpy as np
 
@@ -32,15 +33,22 @@ def _spread(n: int, k: int) -> np.ndarray:
     return np.unique(np.linspace(0, n - 1, num=min(n, k)).astype(np.int64)) if n else np.zeros(0, np.int64)
 
 
+_KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # an open dataset's, once per process
+
+
 def fingerprint(ds: Documents) -> dict[str, object]:
-    """{"docs", "tokens", "digest"} of `ds` (megascale's or Megatron-LM's format)."""
+    """{"docs", "tokens", "digest"} of `ds` (megascale's or Megatron-LM's format); computed once per open
+    dataset (the start-up's check across hosts and the loader's state both ask)."""
+    if ds in _KNOWN:
+        return dict(_KNOWN[ds])
     h = hashlib.blake2b(digest_size=16)
     offsets = np.asarray(ds.offsets)
     h.update(np.ascontiguousarray(offsets[_spread(len(offsets), OFFSETS)], dtype="<i8").tobytes())
     n = len(ds.tokens)
     for start in (_spread(max(n - WINDOW + 1, 1), WINDOWS).tolist() if n else []):  # a short .bin: whole
         h.update(np.ascontiguousarray(ds.tokens[start : start + WINDOW], dtype="<i8").tobytes())
-    return {"docs": int(ds.num_docs), "tokens": int(n), "digest": h.hexdigest()}
+    _KNOWN[ds] = {"docs": int(ds.num_docs), "tokens": int(n), "digest": h.hexdigest()}
+    return dict(_KNOWN[ds])
 
 
 def describe(fp: dict[str, object]) -> str:

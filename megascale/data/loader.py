@@ -193,19 +193,23 @@ class BatchLoader:
             self._held = [{"field": field, **fingerprint(ds)} for field, ds in datasets_of(self.samples)]
         return self._held
 
-    def state_dict(self) -> dict[str, Any]:
-        state = {"consumed_samples": self.consumed_samples, "num_samples": self.num_samples,
-                 "seed": self.seed, "shuffle": self.shuffle, "data": self.held()}
+    def _order(self) -> dict[str, Any]:
+        """What the order of samples depends on, beside the data itself."""
+        order = {"num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle}
         blend = getattr(self.samples, "blend_signature", None)
         if blend is not None:  # data.blend: the weights and sizes its order depends on (blend.py)
-            state["blend"] = blend
-        return state
+            order["blend"] = blend
+        return order
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, **self._order(), "data": self.held()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a `state_dict`. The sample set and seed must be the ones it was taken with,
         else the order would silently differ; the global batch size may change."""
-        mine = self.state_dict()
-        self._check_same_data(state.get("data"), mine["data"])
+        if state.get("data") is not None:  # (not for a reset, which gives a position only)
+            self._check_same_data(state["data"], self.held())
+        mine = self._order()
         for key in ("num_samples", "seed", "shuffle", "blend"):
             if key in state and state[key] != mine.get(key):
                 raise UserError(
@@ -217,12 +221,11 @@ class BatchLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
     @staticmethod
-    def _check_same_data(then: list[dict[str, Any]] | None, now: list[dict[str, Any]]) -> None:
-        """A checkpoint resumes on the tokens it was taken on. The position is a count of samples, so a
-        dataset rebuilt with the same sizes (another tokenizer, a newer dump that happens to pack alike)
-        would go on "exactly" over other text, and one of other sizes in another order: both silent."""
-        if then is None:  # a checkpoint of an older megascale records none
-            return
+    def _check_same_data(then: list[dict[str, Any]], now: list[dict[str, Any]]) -> None:
+        """A checkpoint resumes on the tokens it was taken on (one of an older megascale records none).
+        The position is a count of samples, so a dataset rebuilt with the same sizes (another tokenizer,
+        a newer dump that happens to pack alike) would go on "exactly" over other text, and one of other
+        sizes in another order: both silent."""
         if len(then) != len(now):
             raise UserError(f"data.blend: the checkpoint was taken on {len(then)} dataset(s), this run reads "
                             f"{len(now)}; resuming needs the same data ({_NEW_RUN})")

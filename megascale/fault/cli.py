@@ -71,8 +71,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     os.environ[refusal.ENV] = args.rdzv_id  # the agent watches for other hosts' refusals under it
     min_nodes, max_nodes = parse_nnodes(args.nnodes)  # a bad --nnodes is this host's alone to say
+    loaded: list = []  # the config, once it loads: a refusal after that waits its rendezvous timeout
     try:
-        return _launch(args, min_nodes, max_nodes)
+        return _launch(args, min_nodes, max_nodes, loaded)
     except UserError as e:
         if args.unblock is not None or min_nodes < 2 or not args.rdzv_id:
             raise  # without --rdzv-id a store that serves several jobs could not tell whose refusal it is
@@ -81,8 +82,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         print(f"megascale launch: error: {e}", file=sys.stderr, flush=True)
         from megascale.config import FaultConfig
 
-        # the job's own timeout where its config loaded (the error came after it), else the default
-        wait = getattr(args, "rendezvous_timeout_s", FaultConfig().rendezvous_timeout_s)
+        wait = (loaded[0].fault if loaded else FaultConfig()).rendezvous_timeout_s
         print(f"megascale launch: telling the hosts that meet at {args.rdzv_endpoint} why this one will not "
               f"join (for up to {wait:g} s)", file=sys.stderr, flush=True)
         refusal.post(args.rdzv_endpoint, args.rdzv_id, args.local_addr or socket.gethostname(), str(e),
@@ -90,7 +90,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return e.exit_code
 
 
-def _launch(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> int:
+def _launch(args: argparse.Namespace, min_nodes: int, max_nodes: int, loaded: list) -> int:
     from megascale.cli import _default_config
     from megascale.config import check_world_size, load_config
     from megascale.fault.driver import launch
@@ -99,7 +99,7 @@ def _launch(args: argparse.Namespace, min_nodes: int, max_nodes: int) -> int:
         args.config, *extra = _default_config(args.overrides)
         args.overrides = [*extra, *args.overrides]
     cfg = load_config(args.config, args.overrides)  # a bad config fails here, before any host starts
-    args.rendezvous_timeout_s = cfg.fault.rendezvous_timeout_s
+    loaded.append(cfg)
     if not cfg.checkpoint.resume:
         raise UserError("checkpoint.resume: must stay true under megascale launch (a restart resumes)")
     if args.unblock is not None:
