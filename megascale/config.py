@@ -185,6 +185,10 @@ class CheckpointConfig:
     memory: bool = True  # stage 1 in host memory; false: persist straight from the live state
     async_persist: bool = True  # stage 2 in a background thread; false: training waits for storage
     writer_process: bool = True  # stage 2 writes from a process of its own; false: from the training process
+    # below this many MB of a rank's state (weights + optimizer) a thread writes instead: it costs
+    # training ~5 ms per MB per checkpoint (2 CPU cores), a process ~2 s of CPU to start, every rank at
+    # once, and ~300 MB for the run (benchmarks/checkpoint_writer.py); 0: always a process
+    writer_process_min_mb: float = 16.0
     async_snapshot: bool = True  # stage 1's copy overlaps the next step's forwards and backwards
     # each snapshot copied into a peer host's memory too (multi-host jobs): a host that dies whole
     # restores from its peer's copy instead of from storage (checkpoint/replica.py)
@@ -495,6 +499,7 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.interval", cfg.checkpoint.interval, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("checkpoint.memory_interval", cfg.checkpoint.memory_interval, allow_zero=True)
+    _positive("checkpoint.writer_process_min_mb", cfg.checkpoint.writer_process_min_mb, allow_zero=True)
     if m.init_from and not m.init_from.startswith("hf:"):
         raise ConfigError(f"model.init_from: must be hf:DIR (a Hugging Face model directory), "
                           f"got {m.init_from!r}")

@@ -24,6 +24,7 @@ from megascale.checkpoint.rng import rng_state
 from megascale.checkpoint.storage import COMMIT, Storage
 from megascale.config import load_config
 from megascale.errors import UserError
+from megascale.observe.metrics import read_metrics
 from megascale.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,8 @@ def test_a_killed_writer_process_is_one_line_and_training_goes_on(corpus, tmp_pa
     """kill -9 of the writer process (stage 2 of step 4, persists every 2 steps): that persist fails with
     one line, training goes on, a new writer persists step 6, and the end is persisted; nothing is lost."""
     run_dir = tmp_path / "run"
-    r = cli(corpus, run_dir, "checkpoint.interval=2", env={"MEGASCALE_INJECT": "kill@writer:4"})
+    r = cli(corpus, run_dir, "checkpoint.interval=2", "checkpoint.writer_process_min_mb=0",
+            env={"MEGASCALE_INJECT": "kill@writer:4"})
     assert r.returncode == 0, r.stderr
     fails = [ln for ln in r.stderr.splitlines() if "persisting step" in ln]
     assert len(fails) == 1 and "persisting step 4" in fails[0] and "writer process of rank 0 died" in fails[0]
@@ -122,15 +124,30 @@ def test_a_final_persist_with_no_writer_running_is_written_by_the_training_proce
     """Only the end persisted (checkpoint.interval=0): starting a writer process (a new interpreter
     importing torch) would cost more than the write, and nothing trains beside it, so none is started;
     with persists along the way the one writer started for them writes the end too."""
-    t = trainer(corpus, tmp_path / "end", "checkpoint.interval=0")
+    big = "checkpoint.writer_process_min_mb=0"  # any state is large enough for a process
+    t = trainer(corpus, tmp_path / "end", "checkpoint.interval=0", big)
     t.fit()
     assert t.checkpoints.writer is not None and t.checkpoints.writer.started == 0
     assert [s for s, _ in Storage(tmp_path / "end" / "checkpoints").committed()] == [8]
     assert same(final_weights(tmp_path / "end"), reference)
-    t = trainer(corpus, tmp_path / "along")
+    t = trainer(corpus, tmp_path / "along", big)
     t.fit()
     assert t.checkpoints.writer.started == 1
     assert [s for s, _ in Storage(tmp_path / "along" / "checkpoints").committed()] == [6, 8]
+    assert {r["writer"] for r in read_metrics(tmp_path / "along" / "metrics.jsonl", "persist")} == {"process"}
+
+
+def test_a_state_below_writer_process_min_mb_is_persisted_from_a_thread(corpus, tmp_path, reference):
+    """This model's state is ~0.1 MB: a writer process (seconds of CPU to start, ~300 MB of memory) would
+    cost more than the GIL a thread takes from training to write it, so no process is started; the same
+    checkpoints, the same weights."""
+    t = trainer(corpus, tmp_path / "run")
+    t.fit()
+    assert t.checkpoints.writer is None
+    assert [s for s, _ in Storage(tmp_path / "run" / "checkpoints").committed()] == [6, 8]
+    writers = {r["writer"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl", "persist")}
+    assert writers == {"training process"}, writers
+    assert same(final_weights(tmp_path / "run"), reference)
 
 
 def test_restores_from_storage_when_memory_is_gone(corpus, tmp_path, reference):

@@ -99,6 +99,7 @@ def test_round_trip_through_toml(tmp_path):
         (["observe.straggler_window=-1"], "observe.straggler_window", ">= 0"),
         (["observe.buffer_records=0"], "observe.buffer_records", "> 0"),
         (["observe.trace_max_mb=-1"], "observe.trace_max_mb", ">= 0"),
+        (["checkpoint.writer_process_min_mb=-1"], "checkpoint.writer_process_min_mb", ">= 0"),
         (["fault.monitor_interval_s=0"], "fault.monitor_interval_s", "> 0"),
         (["fault.rendezvous_poll_s=-1"], "fault.rendezvous_poll_s", ">= 0"),
         (["fault.rendezvous_last_call_s=0"], "fault.rendezvous_last_call_s", "> 0"),

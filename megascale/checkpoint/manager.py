@@ -97,6 +97,12 @@ def default_memory_dir() -> Path:
     return Path(tempfile.gettempdir()) / "megascale-snapshots"
 
 
+def state_mb(state: TrainState) -> float:
+    """The rank's weights and optimizer state, in MB (what a checkpoint of it writes)."""
+    return sum(c.tensor.numel() * c.tensor.element_size()
+               for c in state.model_chunks() + state.optimizer_chunks()) / 1e6
+
+
 def _rank_extra_fqn(rank: int) -> str:
     return f"rank/{rank:05d}/extra"
 
@@ -186,6 +192,11 @@ class CheckpointManager:
             # importing torch, every rank of a host at once) costs more than the write: 6 s of a
             # 2 x 2 test job's 18 s.
             here = last and not (self.writer is not None and self.writer.running())
+            if (self.writer is not None and not self.writer.started
+                    and state_mb(state) < self.cfg.checkpoint.writer_process_min_mb):
+                # a small state: the thread's GIL costs training milliseconds per checkpoint, less than
+                # a new interpreter (seconds of CPU at the first persist, every rank of the host at once)
+                self.writer = None
             if self._pool is None:
                 self._persist(step, here)
             else:
@@ -202,8 +213,9 @@ class CheckpointManager:
         views, extra = self.snapshots.acquire(step)
         try:
             blob = json.dumps(extra.get("rng", {})).encode()
-            if (self.writer is not None and not in_process and self.snapshots.shared
-                    and self.storage.protocol != "memory"):
+            by_process = (self.writer is not None and not in_process and self.snapshots.shared
+                          and self.storage.protocol != "memory")
+            if by_process:
                 slot_file, table = self.snapshots.slot_file(step)
 
                 def write(path: str):
@@ -236,7 +248,8 @@ class CheckpointManager:
         timers.record("persist", "checkpoint", t0, timers.now_ns(), nbytes=result.bytes_written or 0)
         with self._events_lock:
             self._events.append({"step": step, "ok": result.ok, "persist_s": result.seconds,
-                                 "bytes": result.bytes_written, "error": result.error})
+                                 "bytes": result.bytes_written, "error": result.error,
+                                 "writer": "process" if by_process else "training process"})
         return result
 
     def _replicate_loop(self) -> None:
