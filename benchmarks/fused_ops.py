@@ -33,7 +33,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,8 +40,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _trainer_probe import measure  # noqa: E402
 
 from megascale.ops import dispatch  # noqa: E402
 from megascale.ops.activations import bias_gelu, bias_gelu_reference, swiglu, swiglu_reference  # noqa: E402
@@ -196,38 +197,7 @@ def bench_ops(a) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# End to end: the Trainer with model.fused_ops off and on, fresh process each
-
-_PROBE = r"""
-import json, sys, time, statistics
-from megascale.config import load_config
-from megascale.train import Trainer
-config, steps, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-t = Trainer(load_config(config, overrides), quiet=True)
-times = []
-for i in range(steps + 2):
-    t0 = time.perf_counter()
-    t.train_step()
-    if i >= 2:
-        times.append(time.perf_counter() - t0)
-t.loader.close()
-peak = 0
-for line in open("/proc/self/status"):
-    if line.startswith("VmHWM:"):
-        peak = int(line.split()[1]) * 1024
-print(json.dumps({"step_s": statistics.median(times), "best_s": min(times), "tokens": t.tokens_per_step,
-                  "peak_rss": peak}))
-"""
-
-
-def measure(config: str, steps: int, overrides: list[str], env: dict) -> dict:
-    """tokens/s from the median and from the best step time, and the peak RSS (MiB), of one fresh process."""
-    out = subprocess.run([sys.executable, "-c", _PROBE, config, str(steps), *overrides], cwd=ROOT,
-                         capture_output=True, text=True, timeout=3600, env=env)
-    if out.returncode != 0:
-        raise SystemExit(f"the probe failed:\n{out.stderr[-3000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"tps": r["tokens"] / r["step_s"], "best": r["tokens"] / r["best_s"], "rss": r["peak_rss"] / 2**20}
+# End to end: the Trainer with model.fused_ops off and on, fresh process each (_trainer_probe.py)
 
 
 def bench_e2e(a) -> None:

@@ -77,6 +77,9 @@ LAYOUTS = {
     "dp2-tp2-sp-gloo": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                             "parallel.dp_bucket_size=3000", "parallel.transport=gloo"], "llama-sliding",
                         "adamw", "fp64", True),
+    # train.compile: each block a compiled graph (inductor's float64 kernels), against the eager one process
+    "dp2-pp2-compile": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.dp_bucket_size=3000",
+                            "train.compile=true"], "llama-parallel", "adamw", "fp64", True),
     "dp2-pp2-tp2-sp": (8, ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2",
                            "parallel.sequence_parallel=true", "parallel.dp_bucket_size=3000"],
                        "gpt", "lamb", "fp64", True),

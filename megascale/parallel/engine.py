@@ -135,7 +135,10 @@ class ParallelEngine:
             set_rng_state(rng)
             self.model = model = model.to(dtype=dtype)
             self.load_model_state(full_state)
-        self.forward = torch.compile(model) if t.compile else model
+        if t.compile:
+            for block in model.blocks:
+                block.compile()
+        self.forward = model
         # dropout masks from (seed, step, micro-batch, site, tp coordinate): resumable, layout-aware
         self.dropout = (DropoutSeeds(t.seed, mesh, micro_batches=self.n_micro) if cfg.model.dropout > 0
                         else None)
