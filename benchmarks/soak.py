@@ -287,12 +287,25 @@ def report(faults: list[dict], lines: list[tuple[float, str]], run: Path, wall: 
               f"(max {max(fs, default=nan):.1f})")
     print(f"run: {wall:.0f} s wall, {len(steps)} steps that count ({len(recs)} step records), {len(faults)} "
           f"fault(s); ETTR {100 * productive / wall:.1f}% (productive step time {productive:.0f} s / wall)")
+    agents_view(run)
     restart_phases(lines, run)
     if steps:
         # a step slowed by the job's own machinery (snapshots, their replicas, persists) would count as
         # productive time: compare the mean step with a fault-free run's (--first 1e9) to see it
         times = [r["step_time"] for r in steps.values()]
         print(f"step time: mean {statistics.mean(times):.3f} s, median {statistics.median(times):.3f} s")
+
+
+def agents_view(run: Path) -> None:
+    """The report's ETTR, from the agents' event logs, and where the rest of the time went (ettr.py)."""
+    from megascale.fault.events import read_events
+    from megascale.observe.ettr import ettr_text, lost_text, lost_time
+
+    events, recs = read_events(run), metric_records(run)
+    kinds = {k: [r for r in recs if r.get("kind") == k] for k in ("train", "val", "checkpoint")}
+    if events and ettr_text(events, kinds["train"]):
+        print(f"agents' view: {ettr_text(events, kinds['train'])}; "
+              f"{lost_text(lost_time(events, kinds['train'], kinds['val'], kinds['checkpoint']))}")
 
 
 def restart_phases(lines: list[tuple[float, str]], run: Path) -> None:

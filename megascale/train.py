@@ -441,8 +441,10 @@ class Trainer:
                 logger.log("train", rec)
                 self._show(bar, s)
                 if evaluates and (s.step % t.eval_interval == 0 or s.step == t.steps):
+                    t_eval = time.perf_counter()
                     last_val = self.evaluate()
-                    logger.log("val", {"step": s.step, "loss": last_val, "ppl": _ppl(last_val)})
+                    logger.log("val", {"step": s.step, "loss": last_val, "ppl": _ppl(last_val),
+                                       "seconds": time.perf_counter() - t_eval})
                     self._log_print(f"step {s.step}: val loss {last_val:.4f}, ppl {_ppl(last_val):.2f}", bar)
                 c = cfg.checkpoint
                 if s.step < end and (c.interval and s.step % c.interval == 0

@@ -110,7 +110,7 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     assert re.search(detected, f"{seen['kind']}: {seen['detail']}"), seen
     assert set(events[2]["phases"]) == {"stopped", "rendezvous", "workers started"}
     assert events[-1]["code"] == 0 and events[0]["nproc_per_node"] == 2
-    from megascale.observe.report import ettr_text
+    from megascale.observe.ettr import ettr_text
 
     train = read_metrics(run / "metrics.jsonl", "train")  # each record with its wall clock
     assert all(events[0]["t"] <= r["time"] <= events[-1]["t"] for r in train)

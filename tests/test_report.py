@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from megascale.errors import UserError
-from megascale.observe import report
+from megascale.observe import ettr, report
 from megascale.observe.breakdown import (
     CATEGORIES,
     LATE_KEYS,
@@ -336,12 +336,12 @@ def test_absent_data_is_said_in_one_line(tmp_path):
 def test_ettr_of_a_job_that_has_not_ended_runs_to_its_newest_step():
     events = [{"t": 100.0, "kind": "start"}, {"t": 150.0, "kind": "crash"}, {"t": 160.0, "kind": "restart"}]
     train = [{"step": s, "step_time": 2.0, "time": 100.0 + 4 * s} for s in range(1, 26)]  # to t = 200
-    assert report.ettr_text(events, train) == ("ETTR 50.0% (50 s of training steps in 100 s from the first "
+    assert ettr.ettr_text(events, train) == ("ETTR 50.0% (50 s of training steps in 100 s from the first "
                                                "agent's start to the newest step)")
     # steps from before the launch (a run begun by `megascale train`) are not the job's
     early = [{"step": 0, "step_time": 40.0, "time": 10.0}]
-    assert report.ettr_text(events, early + train) == report.ettr_text(events, train)
-    assert report.ettr_text(events, [{"step": 1, "step_time": 2.0}]) == ""  # records without `time`
+    assert ettr.ettr_text(events, early + train) == ettr.ettr_text(events, train)
+    assert ettr.ettr_text(events, [{"step": 1, "step_time": 2.0}]) == ""  # records without `time`
 
 
 def test_ettr_leaves_out_the_wait_between_launches_and_keeps_a_killed_agents_steps():
@@ -354,8 +354,8 @@ def test_ettr_leaves_out_the_wait_between_launches_and_keeps_a_killed_agents_ste
     train = [{"step": s, "step_time": 2.0, "time": 4.0 * s} for s in range(1, 26)]  # to t = 100
     train += [{"step": 25 + s, "step_time": 2.0, "time": 1100.0 + 4 * s} for s in range(1, 26)]
     times = sorted(r["time"] for r in train)
-    assert report.agent_spans(first + second, times) == [(0.0, 100.0), (1100.0, 1200.0)]
-    assert report.ettr_text(first + second, train) == (
+    assert ettr.agent_spans(first + second, times) == [(0.0, 100.0), (1100.0, 1200.0)]
+    assert ettr.ettr_text(first + second, train) == (
         "ETTR 50.0% (100 s of training steps in 200 s from the first agent's start to the last one's end, "
         "less 1000 s between launches with no agent running)")
     # two hosts' agents overlap: their time counts once; one host's restarted agent does not split it
@@ -363,9 +363,40 @@ def test_ettr_leaves_out_the_wait_between_launches_and_keeps_a_killed_agents_ste
            {"t": 60.0, "host": "b", "kind": "end", "code": 4}, {"t": 70.0, "host": "b", "kind": "start"},
            {"t": 100.0, "host": "a", "kind": "end", "code": 0},
            {"t": 100.0, "host": "b", "kind": "end", "code": 0}]
-    assert report.agent_spans(two, [50.0]) == [(0.0, 100.0)]
-    assert report.ettr_text(two, train[:25]) == ("ETTR 50.0% (50 s of training steps in 100 s from the first "
+    assert ettr.agent_spans(two, [50.0]) == [(0.0, 100.0)]
+    assert ettr.ettr_text(two, train[:25]) == ("ETTR 50.0% (50 s of training steps in 100 s from the first "
                                                  "agent's start to the last one's end)")
+
+
+def test_the_time_that_was_no_step_is_cut_by_cause_and_adds_up():
+    """A job of two hosts, 40 s: 10 s to its first step; an evaluation after step 4 (2 s) and step 7 (1 s);
+    checkpoint saves after steps 5 (0.5 s) and 7 (1 s, after that evaluation); host b's workers crash
+    at t = 25, the job lost step 6's successors and restarts from it, its next step begins at t = 30;
+    0.2 s between steps 8 and 9; the agents end 4.8 s after the last step."""
+    events = [{"t": 0.0, "host": "a", "kind": "start"}, {"t": 0.5, "host": "b", "kind": "start"},
+              {"t": 25.0, "host": "b", "kind": "crash"}, {"t": 26.0, "host": "b", "kind": "restart"},
+              {"t": 26.0, "host": "a", "kind": "restart"},
+              {"t": 40.0, "host": "a", "kind": "end", "code": 0},
+              {"t": 40.0, "host": "b", "kind": "end", "code": 0}]
+    starts = {1: 10.0, 2: 11.0, 3: 12.0, 4: 13.0, 5: 16.0, 6: 17.5, 7: 30.0, 8: 33.0, 9: 34.2}
+    train = [{"step": s, "step_time": 1.0, "time": t + 1.0} for s, t in starts.items()]
+    val = [{"step": 4, "seconds": 2.0}, {"step": 7, "seconds": 1.0}]
+    saves = [{"step": 5, "blocked_s": 0.5}, {"step": 7, "blocked_s": 1.0}]
+    lost = ettr.lost_time(events, train, val, saves)
+    want = {"start-up": 10.0, "lost steps and detection": 6.5, "restarts": 5.0, "evaluation": 3.0,
+            "checkpoints": 1.5, "between steps": 0.2, "the end": 4.8}
+    assert lost == pytest.approx(want)
+    assert sum(lost.values()) == pytest.approx(40.0 - 9.0)  # the wall less the 9 steps: nothing twice
+    assert ettr.lost_text(lost) == ("the rest: 10.0 s start-up, 6.5 s lost steps and detection, 5.0 s "
+                                    "restarts, 3.0 s evaluation, 1.5 s checkpoints, 4.8 s the end")  # not 0.2
+    # a validation record of an older run (no seconds) before a save: the gap is the save's
+    lost = ettr.lost_time(events, train, [{"step": 7}], saves)
+    assert lost["evaluation"] == 0 and lost["checkpoints"] == pytest.approx(0.5 + 2.0)
+    # a requeued job: the second launch's start-up counts, the queue between them does not
+    later = [{"t": 100.0, "host": "a", "kind": "start"}, {"t": 110.0, "host": "a", "kind": "end", "code": 0}]
+    more = [{"step": 10, "step_time": 1.0, "time": 105.0}]
+    lost = ettr.lost_time(events + later, train + more, val, saves)
+    assert lost["start-up"] == pytest.approx(10.0 + 4.0) and lost["the end"] == pytest.approx(4.8 + 5.0)
 
 
 def test_an_agents_end_says_what_its_exit_code_means():

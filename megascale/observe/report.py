@@ -16,7 +16,6 @@ one line. Charts are plotly figures with plotly.js inlined once, so the file ope
 from __future__ import annotations
 
 import argparse
-import bisect
 import datetime
 import html
 import json
@@ -30,6 +29,7 @@ from typing import Any, NamedTuple
 
 from megascale.data.atomic import write_command_output
 from megascale.errors import UserError
+from megascale.observe.ettr import FAULTS, ettr_text, lost_text, lost_time
 
 SECTIONS = ("summary", "loss", "throughput", "startup", "breakdown", "stragglers", "checkpoints", "faults",
             "timeline")
@@ -570,12 +570,12 @@ def checkpoint_note(stalls: list[dict], persists: list[dict]) -> str:
     return f"<p>{esc('; '.join(bits))}.</p>"
 
 
-FAULTS = ("crash", "no heartbeat", "hang", "evict", "membership")  # what a restart follows (fault/events.py)
 
 
-def section_faults(run_dir: Path, train: list[dict]) -> str:
+def section_faults(run_dir: Path, train: list[dict], val: list[dict] = (),
+                   checkpoints: list[dict] = ()) -> str:
     """The launch agents' event logs: what went wrong, when, on which host, how long until the workers ran
-    again, and the job's ETTR."""
+    again, and the job's ETTR, with where the rest of its time went (ettr.py)."""
     from megascale.fault.events import read_events
 
     events = read_events(run_dir)
@@ -600,6 +600,9 @@ def section_faults(run_dir: Path, train: list[dict]) -> str:
     ettr = ettr_text(events, train)
     if ettr:
         bits.append(ettr)
+        rest = lost_text(lost_time(events, train, val, checkpoints))
+        if rest:
+            bits.append(rest)
     shown = events[-MAX_TABLE_ROWS:]
     more = (f" The newest {MAX_TABLE_ROWS} of {len(events)} events are shown; all are in "
             f"{run_dir / 'events'}." if len(events) > MAX_TABLE_ROWS else "")
@@ -607,66 +610,6 @@ def section_faults(run_dir: Path, train: list[dict]) -> str:
              f"+{e['t'] - t0:.1f}", e.get("host", "?"), e["kind"], event_text(e)] for e in shown]
     return (f"<p>{esc('; '.join(bits))}.{esc(more)}</p>"
             + table(["time (UTC)", "s since the first start", "host", "event", "what"], rows))
-
-
-def ettr_text(events: list[dict], train: list[dict]) -> str:
-    """ETTR, MegaScale's effective training time ratio: the seconds of the steps that count (the run's
-    train records, in which a resumed run's re-done steps replace the lost ones) over the wall time in
-    which an agent of the job ran (`agent_spans`): from the first agent's start to the last one's end
-    (or to the newest step, for a job that has not ended or whose agents were killed), less the time
-    between launches with no agent at all (a requeued job's wait in its scheduler's queue is not the
-    job's to lose). '' without timed train records (a run from before they had `time`)."""
-    timed = [r for r in train if isinstance(r.get("time"), (int, float)) and isinstance(r.get("step_time"),
-                                                                                        (int, float))]
-    spans = agent_spans(events, sorted(r["time"] for r in timed))
-    steps = [r for r in timed if any(a <= r["time"] <= b for a, b in spans)]
-    wall = sum(b - a for a, b in spans)
-    if wall <= 0 or not steps:
-        return ""
-    productive = sum(r["step_time"] for r in steps)
-    ends = [e["t"] for e in events if e["kind"] == "end"]
-    to = "the last one's end" if ends and max(ends) >= spans[-1][1] else "the newest step"
-    idle = spans[-1][1] - spans[0][0] - wall
-    less = f", less {idle:.0f} s between launches with no agent running" if idle >= 0.5 else ""
-    return (f"ETTR {100 * productive / wall:.1f}% ({productive:.0f} s of training steps in {wall:.0f} s "
-            f"from the first agent's start to {to}{less})")
-
-
-def agent_spans(events: list[dict], step_times: list[float]) -> list[tuple[float, float]]:
-    """The stretches of wall time in which at least one agent of the job ran, in order, not overlapping:
-    per host, each start to its end; an agent that left no end (killed with its machine) to its last
-    sign of life, the later of its own last event and the newest train record (`step_times`, sorted)
-    before its host's next start (for the newest agent: the newest record)."""
-    by_host: dict[Any, list[dict]] = defaultdict(list)
-    for e in events:
-        by_host[e.get("host")].append(e)
-
-    def alive_until(opened: float, seen: float, before: float = float("inf")) -> float:
-        i = bisect.bisect_right(step_times, before) - 1  # the newest record before `before`
-        return max(seen, step_times[i]) if i >= 0 and step_times[i] >= opened else seen
-
-    spans = []
-    for mine in by_host.values():
-        opened = seen = None
-        for e in mine:
-            if e["kind"] == "start":
-                if opened is not None:  # the earlier agent never said its end
-                    spans.append((opened, alive_until(opened, seen, e["t"])))
-                opened = seen = e["t"]
-            elif opened is not None:
-                seen = e["t"]
-                if e["kind"] == "end":
-                    spans.append((opened, seen))
-                    opened = None
-        if opened is not None:
-            spans.append((opened, alive_until(opened, seen)))
-    merged: list[tuple[float, float]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
-        else:
-            merged.append((a, b))
-    return merged
 
 
 def restart_seconds(events: list[dict]) -> list[float]:
@@ -759,7 +702,8 @@ def render(run_dir: Path, out: Path, steps: tuple[int, int] | None = None) -> st
         "breakdown": section_breakdown(page, recs, bd, why, steps),
         "stragglers": section_stragglers(page, recs, traced),
         "checkpoints": section_checkpoints(page, recs),
-        "faults": section_faults(run_dir, recs.get("train", [])),
+        "faults": section_faults(run_dir, recs.get("train", []), recs.get("val", []),
+                                 recs.get("checkpoint", [])),
         "timeline": section_timeline(run_dir, out, (run_dir / "trace").is_dir()),
     }
     nav = "".join(f'<a href="#{s}">{TITLES[s]}</a>' for s in SECTIONS)
