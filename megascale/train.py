@@ -313,10 +313,11 @@ class Trainer:
 
     def full_model(self) -> GPT | None:
         """The trained model as one GPT (for sampling): the model itself on one process; in a parallel
-        run gathered from the ranks (collective) and returned on rank 0 only."""
-        if self.world_size == 1:
+        run gathered from the ranks (collective) and returned on rank 0 only. Under train.compile a copy
+        with eager blocks: the compiled ones would compile again for new lengths of a growing context."""
+        if self.world_size == 1 and not self.cfg.train.compile:
             return self.model
-        full = self.engine.full_model_state()
+        full = self.model.state_dict() if self.world_size == 1 else self.engine.full_model_state()
         if not self.is_main:
             return None
         model = GPT(self.cfg.model).to(dtype=self.model_dtype)

@@ -343,3 +343,7 @@ def test_compile_trains_as_eager_does(corpus, tmp_path):
     assert all(block._compiled_call_impl is not None for block in compiled.engine.model.blocks)
     losses = compiled.fit()["losses"]
     assert losses == pytest.approx(eager["losses"], rel=1e-5) and losses[0] != losses[1]
+    # sampling gets the trained weights in eager blocks (a growing context would recompile them)
+    sampler = compiled.full_model()
+    assert all(block._compiled_call_impl is None for block in sampler.blocks)
+    assert all(torch.equal(v, compiled.model.state_dict()[k]) for k, v in sampler.state_dict().items())
