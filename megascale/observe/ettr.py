@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 FAULTS = ("crash", "no heartbeat", "hang", "evict", "membership")  # what a restart follows (fault/events.py)
@@ -79,13 +80,14 @@ def agent_spans(events: list[dict], step_times: list[float]) -> list[tuple[float
             merged.append((a, b))
     return merged
 
+
 # the causes of lost time, in the order they are told
 CAUSES = ("start-up", "lost steps and detection", "restarts", "evaluation", "checkpoints", "between steps",
           "the end")
 
 
-def lost_time(events: list[dict], train: list[dict], val: list[dict] = (),
-              checkpoints: list[dict] = ()) -> dict[str, float]:
+def lost_time(events: list[dict], train: list[dict], val: Sequence[dict] = (),
+              checkpoints: Sequence[dict] = ()) -> dict[str, float]:
     """The agents' wall time that was no counted step (`ettr_text`'s wall less its productive seconds),
     by cause: every gap between two steps (a step runs from its record's `time` less its `step_time`
     to its `time`) of one agent span, and from a span's start to its first step and from its last step

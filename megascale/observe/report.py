@@ -24,6 +24,7 @@ import signal
 import statistics
 import tomllib
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -570,10 +571,8 @@ def checkpoint_note(stalls: list[dict], persists: list[dict]) -> str:
     return f"<p>{esc('; '.join(bits))}.</p>"
 
 
-
-
-def section_faults(run_dir: Path, train: list[dict], val: list[dict] = (),
-                   checkpoints: list[dict] = ()) -> str:
+def section_faults(run_dir: Path, train: list[dict], val: Sequence[dict] = (),
+                   checkpoints: Sequence[dict] = ()) -> str:
     """The launch agents' event logs: what went wrong, when, on which host, how long until the workers ran
     again, and the job's ETTR, with where the rest of its time went (ettr.py)."""
     from megascale.fault.events import read_events
