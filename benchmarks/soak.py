@@ -302,10 +302,9 @@ def agents_view(run: Path) -> None:
     from megascale.observe.ettr import ettr_text, lost_text, lost_time
 
     events, recs = read_events(run), metric_records(run)
-    kinds = {k: [r for r in recs if r.get("kind") == k] for k in ("train", "val", "checkpoint")}
+    kinds = {k: [r for r in recs if r.get("kind") == k] for k in ("train", "val", "checkpoint", "rollback")}
     if events and ettr_text(events, kinds["train"]):
-        print(f"agents' view: {ettr_text(events, kinds['train'])}; "
-              f"{lost_text(lost_time(events, kinds['train'], kinds['val'], kinds['checkpoint']))}")
+        print(f"agents' view: {ettr_text(events, kinds['train'])}; {lost_text(lost_time(events, kinds))}")
 
 
 def restart_phases(lines: list[tuple[float, str]], run: Path) -> None:

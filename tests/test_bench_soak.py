@@ -14,7 +14,7 @@ def test_soak_benchmark_runs(tmp_path):
     assert faults[:2] == ["kill", "stop"], out
     assert re.search(r"run: \d+ s wall, \d+ steps that count .* ETTR [\d.]+%", out), out
     # the report's ETTR from the agents' event logs, and the time lost to the faults' restarts in it
-    assert re.search(r"^agents' view: ETTR [\d.]+% .*; the rest: .*[\d.]+ s restarts", out, re.M), out
+    assert re.search(r"^agents' view: ETTR [\d.]+% .*; the rest: .*[\d.]+ s recovery", out, re.M), out
 
 
 def test_soak_benchmark_runs_on_a_simulated_cluster(tmp_path):

@@ -382,21 +382,39 @@ def test_the_time_that_was_no_step_is_cut_by_cause_and_adds_up():
     train = [{"step": s, "step_time": 1.0, "time": t + 1.0} for s, t in starts.items()]
     val = [{"step": 4, "seconds": 2.0}, {"step": 7, "seconds": 1.0}]
     saves = [{"step": 5, "blocked_s": 0.5}, {"step": 7, "blocked_s": 1.0}]
-    lost = ettr.lost_time(events, train, val, saves)
-    want = {"start-up": 10.0, "lost steps and detection": 6.5, "restarts": 5.0, "evaluation": 3.0,
+    lost = ettr.lost_time(events, {"train": train, "val": val, "checkpoint": saves})
+    want = {"start-up": 10.0, "lost steps and detection": 6.5, "recovery": 5.0, "evaluation": 3.0,
             "checkpoints": 1.5, "between steps": 0.2, "the end": 4.8}
     assert lost == pytest.approx(want)
     assert sum(lost.values()) == pytest.approx(40.0 - 9.0)  # the wall less the 9 steps: nothing twice
     assert ettr.lost_text(lost) == ("the rest: 10.0 s start-up, 6.5 s lost steps and detection, 5.0 s "
-                                    "restarts, 3.0 s evaluation, 1.5 s checkpoints, 4.8 s the end")  # not 0.2
+                                    "recovery, 3.0 s evaluation, 1.5 s checkpoints, 4.8 s the end")  # not 0.2
     # a validation record of an older run (no seconds) before a save: the gap is the save's
-    lost = ettr.lost_time(events, train, [{"step": 7}], saves)
+    lost = ettr.lost_time(events, {"train": train, "val": [{"step": 7}], "checkpoint": saves})
     assert lost["evaluation"] == 0 and lost["checkpoints"] == pytest.approx(0.5 + 2.0)
     # a requeued job: the second launch's start-up counts, the queue between them does not
     later = [{"t": 100.0, "host": "a", "kind": "start"}, {"t": 110.0, "host": "a", "kind": "end", "code": 0}]
     more = [{"step": 10, "step_time": 1.0, "time": 105.0}]
-    lost = ettr.lost_time(events + later, train + more, val, saves)
+    lost = ettr.lost_time(events + later, {"train": train + more, "val": val, "checkpoint": saves})
     assert lost["start-up"] == pytest.approx(10.0 + 4.0) and lost["the end"] == pytest.approx(4.8 + 5.0)
+
+
+def test_a_nan_rollback_costs_its_lost_steps_and_they_do_not_count_twice():
+    """One agent, steps of 1 s back to back from t = 1; step 4's loss is NaN at t = 5 and the job rolls back
+    to its step-2 snapshot in the same process (no restart): steps 3 and 4 are trained again from t = 5.5,
+    logged a second time. The first pass of step 3 (and the NaN step 4, never logged) is work lost."""
+    events = [{"t": 0.0, "host": "a", "kind": "start"}, {"t": 10.5, "host": "a", "kind": "end", "code": 0}]
+    first = [{"step": s, "step_time": 1.0, "time": 1.0 + s} for s in (1, 2, 3)]  # to t = 4
+    again = [{"step": s, "step_time": 1.0, "time": 3.5 + s} for s in (3, 4, 5, 6)]  # t = 5.5 .. 9.5
+    train = first + again
+    rollback = [{"step": 4, "restored_step": 2, "time": 5.1}]
+    # 6 steps count (1, 2 and the second 3 to 6), not 7
+    assert ettr.ettr_text(events, train).startswith("ETTR 57.1% (6 s of training steps in 10 s")
+    lost = ettr.lost_time(events, {"train": train, "rollback": rollback})
+    # after step 2 (t = 3): the lost step 3 and the NaN step 4 to the rollback, then its restore
+    assert lost == pytest.approx({"start-up": 1.0, "lost steps and detection": 2.1, "recovery": 0.4,
+                                  "evaluation": 0.0, "checkpoints": 0.0, "between steps": 0.0,
+                                  "the end": 1.0})
 
 
 def test_an_agents_end_says_what_its_exit_code_means():

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Sequence
 from typing import Any
 
 FAULTS = ("crash", "no heartbeat", "hang", "evict", "membership")  # what a restart follows (fault/events.py)
 
 
 def timed(train: list[dict]) -> list[dict]:
-    """The train records with a wall clock and a step time (older runs' have no `time`), by time."""
-    return sorted((r for r in train if isinstance(r.get("time"), (int, float))
-                   and isinstance(r.get("step_time"), (int, float))), key=lambda r: r["time"])
+    """The train records (in file order) with a wall clock and a step time (older runs' have no `time`),
+    by time; of a step logged twice only the later (a NaN rollback re-does steps in the same file: the
+    first pass of each was work lost, not training that counts)."""
+    newest = {r.get("step"): r for r in train if isinstance(r.get("time"), (int, float))
+              and isinstance(r.get("step_time"), (int, float))}
+    return sorted(newest.values(), key=lambda r: r["time"])
 
 
 def ettr_text(events: list[dict], train: list[dict]) -> str:
@@ -82,30 +84,32 @@ def agent_spans(events: list[dict], step_times: list[float]) -> list[tuple[float
 
 
 # the causes of lost time, in the order they are told
-CAUSES = ("start-up", "lost steps and detection", "restarts", "evaluation", "checkpoints", "between steps",
+CAUSES = ("start-up", "lost steps and detection", "recovery", "evaluation", "checkpoints", "between steps",
           "the end")
 
 
-def lost_time(events: list[dict], train: list[dict], val: Sequence[dict] = (),
-              checkpoints: Sequence[dict] = ()) -> dict[str, float]:
+def lost_time(events: list[dict], metrics: dict[str, list[dict]]) -> dict[str, float]:
     """The agents' wall time that was no counted step (`ettr_text`'s wall less its productive seconds),
-    by cause: every gap between two steps (a step runs from its record's `time` less its `step_time`
+    by cause, from the agents' events and rank 0's metrics by kind ("train", "val", "checkpoint",
+    "rollback"): every gap between two steps (a step runs from its record's `time` less its `step_time`
     to its `time`) of one agent span, and from a span's start to its first step and from its last step
     to its end, is given whole to one cause, so the parts add up to the whole:
 
     * from a span's start to its first step: start-up (agents, rendezvous, workers, restore);
-    * a gap in which an agent saw a fault: up to the first fault event, the steps lost (trained after
-      the state later restored, their records replaced by the re-done ones) and the time to notice;
-      from it to the next step, the restart (to the first step again);
+    * a gap in which an agent saw a fault or the job rolled back a NaN loss: up to the first of them,
+      the steps lost (trained after the state later restored, their records replaced by the re-done
+      ones) and the time to notice; from it to the next step, the recovery (a restart, or the
+      rollback's restore);
     * after a step with a validation pass (its `seconds` where the record has them) and a checkpoint
       save: evaluation, then checkpoints;
     * from the last step of a span to its end: the end (the final save, the agents' exit);
     * any other gap: between steps (logging, the loop's own work)."""
-    records = timed(train)
+    records = timed(metrics.get("train", []))
     spans = agent_spans(events, [r["time"] for r in records])
-    faults = sorted(e["t"] for e in events if e["kind"] in FAULTS)
-    evals = {r["step"]: r.get("seconds") for r in val}
-    saved = {r["step"] for r in checkpoints}
+    rollbacks = [r["time"] for r in metrics.get("rollback", []) if isinstance(r.get("time"), (int, float))]
+    faults = sorted([e["t"] for e in events if e["kind"] in FAULTS] + rollbacks)
+    evals = {r["step"]: r.get("seconds") for r in metrics.get("val", [])}
+    saved = {r["step"] for r in metrics.get("checkpoint", [])}
     out = dict.fromkeys(CAUSES, 0.0)
     for a, b in spans:
         steps = [r for r in records if a <= r["time"] <= b]
@@ -120,7 +124,7 @@ def lost_time(events: list[dict], train: list[dict], val: Sequence[dict] = (),
             seen = [t for t in faults[bisect.bisect_left(faults, lo):] if t <= hi]
             if seen:
                 out["lost steps and detection"] += seen[0] - lo
-                out["restarts"] += hi - seen[0]
+                out["recovery"] += hi - seen[0]
             elif before["step"] in saved:  # evaluation (its own seconds, where known) comes first
                 took = min(gap, evals.get(before["step"]) or 0.0) if before["step"] in evals else 0.0
                 out["evaluation"] += took

@@ -24,7 +24,6 @@ import signal
 import statistics
 import tomllib
 from collections import defaultdict
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -571,8 +570,7 @@ def checkpoint_note(stalls: list[dict], persists: list[dict]) -> str:
     return f"<p>{esc('; '.join(bits))}.</p>"
 
 
-def section_faults(run_dir: Path, train: list[dict], val: Sequence[dict] = (),
-                   checkpoints: Sequence[dict] = ()) -> str:
+def section_faults(run_dir: Path, metrics: dict[str, list[dict]]) -> str:
     """The launch agents' event logs: what went wrong, when, on which host, how long until the workers ran
     again, and the job's ETTR, with where the rest of its time went (ettr.py)."""
     from megascale.fault.events import read_events
@@ -596,10 +594,10 @@ def section_faults(run_dir: Path, train: list[dict], val: Sequence[dict] = (),
     if back:
         bits.append(f"from a fault seen to the workers started again: median {statistics.median(back):.1f} "
                     f"s, longest {max(back):.1f} s, {sum(back):.1f} s in all")
-    ettr = ettr_text(events, train)
+    ettr = ettr_text(events, metrics.get("train", []))
     if ettr:
         bits.append(ettr)
-        rest = lost_text(lost_time(events, train, val, checkpoints))
+        rest = lost_text(lost_time(events, metrics))
         if rest:
             bits.append(rest)
     shown = events[-MAX_TABLE_ROWS:]
@@ -701,8 +699,7 @@ def render(run_dir: Path, out: Path, steps: tuple[int, int] | None = None) -> st
         "breakdown": section_breakdown(page, recs, bd, why, steps),
         "stragglers": section_stragglers(page, recs, traced),
         "checkpoints": section_checkpoints(page, recs),
-        "faults": section_faults(run_dir, recs.get("train", []), recs.get("val", []),
-                                 recs.get("checkpoint", [])),
+        "faults": section_faults(run_dir, recs),
         "timeline": section_timeline(run_dir, out, (run_dir / "trace").is_dir()),
     }
     nav = "".join(f'<a href="#{s}">{TITLES[s]}</a>' for s in SECTIONS)
