@@ -397,6 +397,10 @@ def test_the_time_that_was_no_step_is_cut_by_cause_and_adds_up():
     more = [{"step": 10, "step_time": 1.0, "time": 105.0}]
     lost = ettr.lost_time(events + later, {"train": train + more, "val": val, "checkpoint": saves})
     assert lost["start-up"] == pytest.approx(10.0 + 4.0) and lost["the end"] == pytest.approx(4.8 + 5.0)
+    # a fault before the first step (a rank killed while the job starts): start-up until it, then recovery
+    early = [*events[:2], {"t": 4.0, "host": "a", "kind": "crash"}, *events[2:]]
+    lost = ettr.lost_time(early, {"train": train, "val": val, "checkpoint": saves})
+    assert (lost["start-up"], lost["recovery"]) == pytest.approx((4.0, 6.0 + 5.0))
 
 
 def test_a_nan_rollback_costs_its_lost_steps_and_they_do_not_count_twice():

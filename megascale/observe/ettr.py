@@ -95,7 +95,8 @@ def lost_time(events: list[dict], metrics: dict[str, list[dict]]) -> dict[str, f
     to its `time`) of one agent span, and from a span's start to its first step and from its last step
     to its end, is given whole to one cause, so the parts add up to the whole:
 
-    * from a span's start to its first step: start-up (agents, rendezvous, workers, restore);
+    * from a span's start to its first step: start-up (agents, rendezvous, workers, restore), up to a
+      fault seen before that step, from which on it is recovery;
     * a gap in which an agent saw a fault or the job rolled back a NaN loss: up to the first of them,
       the steps lost (trained after the state later restored, their records replaced by the re-done
       ones) and the time to notice; from it to the next step, the recovery (a restart, or the
@@ -116,7 +117,10 @@ def lost_time(events: list[dict], metrics: dict[str, list[dict]]) -> dict[str, f
         if not steps:
             out["start-up"] += b - a  # no step at all: the job never got going in this span
             continue
-        out["start-up"] += max(0.0, steps[0]["time"] - steps[0]["step_time"] - a)
+        first = max(a, steps[0]["time"] - steps[0]["step_time"])
+        seen = [t for t in faults[bisect.bisect_left(faults, a):] if t <= first]
+        out["start-up"] += (seen[0] if seen else first) - a  # a fault before the first step: recovery
+        out["recovery"] += first - seen[0] if seen else 0.0
         out["the end"] += b - steps[-1]["time"]
         for before, after in zip(steps, steps[1:], strict=False):
             lo, hi = before["time"], after["time"] - after["step_time"]
