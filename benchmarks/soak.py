@@ -302,7 +302,8 @@ def agents_view(run: Path) -> None:
     from megascale.observe.ettr import ettr_text, lost_text, lost_time
 
     events, recs = read_events(run), metric_records(run)
-    kinds = {k: [r for r in recs if r.get("kind") == k] for k in ("train", "val", "checkpoint", "rollback")}
+    kinds = {k: [r for r in recs if r.get("kind") == k]
+             for k in ("train", "layout", "val", "checkpoint", "rollback")}
     if events and ettr_text(events, kinds["train"]):
         print(f"agents' view: {ettr_text(events, kinds['train'])}; {lost_text(lost_time(events, kinds))}")
 

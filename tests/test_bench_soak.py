@@ -13,8 +13,10 @@ def test_soak_benchmark_runs(tmp_path):
     faults = re.findall(r"fault at .*: (kill|stop) of rank \d: detected in [\d.]+ s", out)
     assert faults[:2] == ["kill", "stop"], out
     assert re.search(r"run: \d+ s wall, \d+ steps that count .* ETTR [\d.]+%", out), out
-    # the report's ETTR from the agents' event logs, and the time lost to the faults' restarts in it
-    assert re.search(r"^agents' view: ETTR [\d.]+% .*; the rest: .*[\d.]+ s recovery", out, re.M), out
+    # the report's ETTR from the agents' event logs, and the time the faults cost in it (the stopped rank:
+    # 4 s of heartbeat timeout; the recoveries themselves may take under the half second the line shows)
+    assert re.search(r"^agents' view: ETTR [\d.]+% .*; the rest: .*[\d.]+ s lost steps and detection", out,
+                     re.M), out
 
 
 def test_soak_benchmark_runs_on_a_simulated_cluster(tmp_path):

@@ -434,7 +434,7 @@ def test_a_hung_rank_is_named_and_the_job_goes_on_without_its_host(request, tmp_
     assert kinds[cluster.addr(0)][0] == "start" and "restart" in kinds[cluster.addr(0)], kinds
     assert by_host[cluster.addr(0)][-1] == {**by_host[cluster.addr(0)][-1], "kind": "end", "code": 0}, kinds
     assert any(k == "hang" for ks in kinds.values() for k in ks), kinds
-    page = section_faults(run, {k: read_metrics(run / "metrics.jsonl", k) for k in ("train", "checkpoint")})
+    page = section_faults(run, {k: read_metrics(run / "metrics.jsonl", k) for k in ("train", "layout")})
     assert "2 agent start(s) on 2 host(s)" in page and "1 host(s) evicted" in page and "ETTR " in page, page
     # the hang's time: the steps since the newest snapshot and the hang timeout, then the restart
     assert re.search(r"the rest: [\d.]+ s start-up, [\d.]+ s lost steps and detection, [\d.]+ s recovery",

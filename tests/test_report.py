@@ -397,9 +397,14 @@ def test_the_time_that_was_no_step_is_cut_by_cause_and_adds_up():
     more = [{"step": 10, "step_time": 1.0, "time": 105.0}]
     lost = ettr.lost_time(events + later, {"train": train + more, "val": val, "checkpoint": saves})
     assert lost["start-up"] == pytest.approx(10.0 + 4.0) and lost["the end"] == pytest.approx(4.8 + 5.0)
-    # a fault before the first step (a rank killed while the job starts): start-up until it, then recovery
+    # a fault before the first step that counts: the first attempt began training at t = 3 (its layout
+    # record), its steps were truncated by the resume, a rank died at t = 4
     early = [*events[:2], {"t": 4.0, "host": "a", "kind": "crash"}, *events[2:]]
-    lost = ettr.lost_time(early, {"train": train, "val": val, "checkpoint": saves})
+    lost = ettr.lost_time(early, {"train": train, "layout": [{"step": 0, "time": 3.0}], "val": val,
+                                  "checkpoint": saves})
+    assert (lost["start-up"], lost["lost steps and detection"], lost["recovery"]) == pytest.approx(
+        (3.0, 1.0 + 6.5, 6.0 + 5.0))
+    lost = ettr.lost_time(early, {"train": train, "val": val, "checkpoint": saves})  # never began: start-up
     assert (lost["start-up"], lost["recovery"]) == pytest.approx((4.0, 6.0 + 5.0))
 
 

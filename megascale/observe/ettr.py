@@ -90,13 +90,14 @@ CAUSES = ("start-up", "lost steps and detection", "recovery", "evaluation", "che
 
 def lost_time(events: list[dict], metrics: dict[str, list[dict]]) -> dict[str, float]:
     """The agents' wall time that was no counted step (`ettr_text`'s wall less its productive seconds),
-    by cause, from the agents' events and rank 0's metrics by kind ("train", "val", "checkpoint",
-    "rollback"): every gap between two steps (a step runs from its record's `time` less its `step_time`
-    to its `time`) of one agent span, and from a span's start to its first step and from its last step
-    to its end, is given whole to one cause, so the parts add up to the whole:
+    by cause, from the agents' events and rank 0's metrics by kind ("train", "layout", "val",
+    "checkpoint", "rollback"): every gap between two steps (a step runs from its record's `time` less
+    its `step_time` to its `time`) of one agent span, and from a span's start to its first step and from
+    its last step to its end, is given whole to one cause, so the parts add up to the whole:
 
-    * from a span's start to its first step: start-up (agents, rendezvous, workers, restore), up to a
-      fault seen before that step, from which on it is recovery;
+    * from a span's start to its first step: start-up (agents, rendezvous, workers, restore); where a
+      fault came first, start-up only to the failed attempt's layout record (its training began), lost
+      steps and detection to the fault, recovery after it;
     * a gap in which an agent saw a fault or the job rolled back a NaN loss: up to the first of them,
       the steps lost (trained after the state later restored, their records replaced by the re-done
       ones) and the time to notice; from it to the next step, the recovery (a restart, or the
@@ -109,6 +110,8 @@ def lost_time(events: list[dict], metrics: dict[str, list[dict]]) -> dict[str, f
     spans = agent_spans(events, [r["time"] for r in records])
     rollbacks = [r["time"] for r in metrics.get("rollback", []) if isinstance(r.get("time"), (int, float))]
     faults = sorted([e["t"] for e in events if e["kind"] in FAULTS] + rollbacks)
+    # an attempt's layout record: its workers start training (kept when a resume truncates the steps)
+    layouts = [r["time"] for r in metrics.get("layout", []) if isinstance(r.get("time"), (int, float))]
     evals = {r["step"]: r.get("seconds") for r in metrics.get("val", [])}
     saved = {r["step"] for r in metrics.get("checkpoint", [])}
     out = dict.fromkeys(CAUSES, 0.0)
@@ -119,8 +122,13 @@ def lost_time(events: list[dict], metrics: dict[str, list[dict]]) -> dict[str, f
             continue
         first = max(a, steps[0]["time"] - steps[0]["step_time"])
         seen = [t for t in faults[bisect.bisect_left(faults, a):] if t <= first]
-        out["start-up"] += (seen[0] if seen else first) - a  # a fault before the first step: recovery
-        out["recovery"] += first - seen[0] if seen else 0.0
+        if seen:  # the first attempt failed: what it trained, if anything (records truncated), was lost
+            began = min([t for t in layouts if a <= t <= seen[0]], default=seen[0])
+            out["start-up"] += began - a
+            out["lost steps and detection"] += seen[0] - began
+            out["recovery"] += first - seen[0]
+        else:
+            out["start-up"] += first - a
         out["the end"] += b - steps[-1]["time"]
         for before, after in zip(steps, steps[1:], strict=False):
             lo, hi = before["time"], after["time"] - after["step_time"]
