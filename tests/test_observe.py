@@ -483,10 +483,13 @@ def test_a_slowed_rank_is_named_a_straggler_and_no_other(tmp_path, data):
     assert all(max(range(4), key=lambda i: w["relative"][i]) == 3 for w in windows)
     # The traces say who the collectives waited for (observe.lateness): rank 3's tp peer (rank 2) waits
     # for it in each of the step's 2 forwards, 40 ms each, and the dp replica (ranks 0, 1) waits for
-    # the pair; nobody waits for long on ranks 0 and 1. The late part is inside the exposed time.
+    # the pair; ranks 0 and 1 keep others waiting only by the scheduler's noise (4 ranks on 2 cores: up
+    # to 35 ms a step in a clean-clone CI run, against rank 3's 190 ms there), not the injected 80 ms.
+    # The late part is inside the exposed time.
     bd = step_breakdown(read_run(run))
-    assert list(bd["kept_waiting"])[0] == 3 and bd["kept_waiting"][3] > 0.06, bd["kept_waiting"]
-    assert all(bd["kept_waiting"].get(r, 0) < 0.02 for r in (0, 1)), bd["kept_waiting"]
+    kept = bd["kept_waiting"]
+    assert list(kept)[0] == 3 and kept[3] > 0.06, kept
+    assert all(kept.get(r, 0) < kept[3] / 3 for r in (0, 1)), kept
     rank2 = median_step(bd["ranks"][2])
     assert 0.06 < rank2["late_tp"] <= rank2["exposed_tp"] + 1e-9, rank2
     assert "waiting for a late peer" in report.median_table(bd) and "rank 3 (" in report.median_table(bd)
