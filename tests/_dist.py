@@ -1,7 +1,10 @@
-"""Run functions on N gloo processes that are spawned once and reused (one pool per test module).
+"""Run functions on N gloo processes that are started once and reused (one pool per test module).
 
-Spawning a process and importing torch costs seconds on a shared 2-core machine, so a test
-module starts its pool once (a module-scoped fixture) and every test sends it work:
+A fresh interpreter importing torch and megascale costs ~2.5 CPU-seconds on a shared 2-core machine,
+so workers are forked from one server process that imported them once (`mp_context()`, multiprocessing's
+forkserver with those modules preloaded: a clean process, no threads, no process group, as the launch's
+own prefork does), and a test module starts its pool once (a module-scoped fixture) and every test sends
+it work:
 `pool.run(fn, *args)` calls fn(rank, *args) on every rank and returns the results in rank
 order. fn must be a module-level (picklable) function. If a rank raises, the pool is
 closed (the others may be stuck in a collective), the traceback is raised here, and the
@@ -23,17 +26,47 @@ import queue
 import signal
 import time
 import traceback
+from multiprocessing import reduction
 
 import pytest
 import torch
+
+# what every worker needs, imported once in the fork server (torch._dynamo: every torch optimizer's step
+# imports it); the test modules' own imports then cost a worker little
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megascale.train"]
+_SERVED = "MEGASCALE_TEST_FORKSERVER"  # set in the server's environment, so its children start none
+
+
+def mp_context():
+    """The multiprocessing context for test workers, forked from a server with PRELOAD imported. A worker
+    gets the server's environment, the one this process had when the server started (tests hand workers
+    what they need as arguments)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    if _SERVED not in os.environ:
+        from multiprocessing import forkserver
+
+        os.environ[_SERVED] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            del os.environ[_SERVED]  # only the server (and its children) keep it
+    return ctx
+
+
+if _SERVED not in os.environ:  # at collection: no test has changed the environment yet, and the server
+    mp_context()  # loads while the first tests run
 
 TIMEOUT_S = 300
 GRACE_S = 60  # a run waits this much past a worker's own timeouts, whose errors say more than ours
 
 
-def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue) -> None:
+def _worker(rank: int, world: int, port: int, tasks: mp.Queue, results: mp.Queue, out=None) -> None:
     import torch.distributed as dist
 
+    if out is not None:  # the pool's starter's stdout and stderr, not the fork server's
+        for fd, dup in zip((1, 2), out, strict=True):
+            os.dup2(dup.detach(), fd)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung pool's stacks (WorkerPool.close)
     torch.set_num_threads(1)  # the machine has 2 cores for everyone
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
@@ -58,13 +91,16 @@ class WorkerPool:
     def _start(self) -> None:
         import torch.distributed as dist
 
-        ctx, world = mp.get_context("spawn"), self.world
+        ctx, world = mp_context(), self.world
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
         port = self._store.port
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+            # (a forked worker's output goes where the test's does, as a spawned one's did: its
+            # captured output, where a hung pool's stacks are read)
+            ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results,
+                                              (reduction.DupFd(1), reduction.DupFd(2))), daemon=True)
             for r in range(world)
         ]
         for p in self.procs:

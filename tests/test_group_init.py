@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import mp_context
 
 from megascale.distributed.groups import create_groups
 from megascale.distributed.recording_store import RecordingStore
@@ -61,7 +62,7 @@ def _record(rank: int, ports: list[int], results: mp.Queue) -> None:
 
 @pytest.fixture(scope="module")
 def recorded():
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     results = ctx.Queue()
     # held here, so the port stays bound from before any rank starts until every rank is done
     servers = [dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False) for _ in CASES]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import multiprocessing as mp
 import signal
 import threading
 import time
@@ -19,6 +18,7 @@ import pytest
 import redis
 import torch
 import torch.distributed as dist
+from _dist import mp_context
 from _redis import (  # noqa: F401 - the fixtures are found by their names
     PASSWORD,
     free_port,
@@ -380,7 +380,7 @@ def _gloo_rank(rank: int, world: int, url: str, job: str, results) -> None:
 
 def test_a_gloo_job_runs_on_the_redis_store(redis_server):
     world, job = 2, _job()
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=_gloo_rank, args=(r, world, redis_server.url, job, results))
              for r in range(world)]
