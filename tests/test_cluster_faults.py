@@ -362,6 +362,24 @@ def test_a_host_whose_copy_of_the_data_differs_is_refused_before_training(reques
     assert "restarting" not in logs and not (run / "checkpoints").exists(), logs[-4000:]
 
 
+def test_a_host_launched_with_another_nnodes_is_refused_before_training(request, tmp_path, data):
+    """With parallel.dp = 0 no config field holds the host count: host 1, started with --nnodes 1:2 while
+    the job is --nnodes 2, may close a round of its own and train alone. When the hosts meet, every rank
+    stops at start-up (exit 2, not restarted) with one line naming the launch argument and the host."""
+    cluster = make_cluster(request, hosts=2)
+    run = tmp_path / "run"
+    codes = _wait([_agent(cluster, h, run, data, job="nnodes", nnodes="2" if h == 0 else "1:2",
+                          extra=("parallel.dp=0",)) for h in (0, 1)])
+    logs = _logs(run)
+    assert codes == [2, 2], logs[-4000:]
+    said = (f"megascale train: error: the ranks' configs differ: rank 2 (host {cluster.addr(1)}; 2 of 4 "
+            f"ranks differ from rank 0, host {cluster.addr(0)}): --nnodes = '1:2' there, '2' on rank 0. "
+            "Launch every host with the same config, overrides, --nnodes and --nproc-per-node")
+    for host in (0, 1):  # in each host's own log, once
+        assert (run.parent / f"host{host}.log").read_text().count(said) == 1, logs[-4000:]
+    assert "restarting" not in logs and not (run / "checkpoints").exists(), logs[-4000:]
+
+
 @pytest.mark.parametrize("bad", [0, 1])
 def test_a_host_that_cannot_start_its_agent_tells_the_others_why(request, tmp_path, data, bad):
     """One host's config file is missing (its shared file system not mounted): its `megascale launch`

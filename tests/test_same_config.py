@@ -35,6 +35,34 @@ def test_a_field_that_differs_is_named_on_every_rank(pools):
     assert "(and 1 more)" in four[0], four[0]
 
 
+def _check_launched(rank: int, launched: list[tuple[str, str]]) -> str | None:
+    """_check of the default config on a rank whose `megascale launch` had (--nnodes as MIN:MAX,
+    --nproc-per-node), as the agent and elastic leave them in its environment."""
+    import os
+
+    from megascale.fault.rendezvous import NNODES_ENV
+
+    os.environ[NNODES_ENV], os.environ["LOCAL_WORLD_SIZE"] = launched[rank]
+    try:
+        return _check(rank, [[], []])
+    finally:
+        del os.environ[NNODES_ENV], os.environ["LOCAL_WORLD_SIZE"]
+
+
+def test_hosts_launched_with_another_nnodes_or_nproc_per_node_are_named(pools):
+    """With parallel.dp = 0 no config field differs when one host was started with --nnodes 1:2 and the
+    others with 2 (it may train alone in a round of its own); hosts of other --nproc-per-node would
+    disagree on the host groups they create (a hang in the self-check). Both are said like a field."""
+    pool = pools(2)
+    assert pool.run(_check_launched, [("2:2", "2"), ("2:2", "2")]) == [None, None]
+    said = pool.run(_check_launched, [("2:2", "2"), ("1:2", "2")])
+    assert said[0] == said[1], said
+    assert "--nnodes = '1:2' there, '2' on rank 0" in said[0], said[0]
+    assert "Launch every host with the same config, overrides, --nnodes and --nproc-per-node" in said[0]
+    said = pool.run(_check_launched, [("2:2", "2"), ("2:2", "4")])
+    assert "--nproc-per-node = 4 there, 2 on rank 0" in said[0], said[0]
+
+
 def _check_data(rank: int, prefixes: list[list[str]]) -> str | None:
     """check_same_data on rank's datasets (a blend when it has several), hosts named h0, h1, ..."""
     from megascale.data.megatron import open_dataset

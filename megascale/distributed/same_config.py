@@ -7,7 +7,10 @@ stops that: another d_model fails in the first gradient exchange with a size mis
 three times over), another train.steps leaves the other hosts waiting for a step that never comes
 (a hang), another optim.lr trains on, the dp replicas quietly diverging. Here every rank sends a
 digest of its config (one all-gather of a few bytes); only when they differ are the configs
-themselves gathered, to say which field differs on which rank and host.
+themselves gathered, to say which field differs on which rank and host. The digest covers how the
+host was launched too (`megascale launch`'s --nnodes and --nproc-per-node): with parallel.dp = 0 no
+config field catches a host launched with another --nnodes (it may close a smaller round than the job's
+on its own), and hosts of different --nproc-per-node would not even agree on which groups to create.
 
 A host may keep its own copy of the data (data.path is host-local), but the copies must hold the same
 tokens: every rank reads its rows by global sample index, so replicas reading copies that drifted
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 from pathlib import Path
 
@@ -36,6 +40,7 @@ from megascale.data.fingerprint import describe, fingerprint
 from megascale.data.indexed import Documents
 from megascale.errors import UserError
 from megascale.fault.inject import host_id
+from megascale.fault.rendezvous import NNODES_ENV
 
 # Where a host keeps its own copy of something: the path may differ, what it holds may not
 # (a host's local dataset cache, its host-memory snapshot directory)
@@ -44,9 +49,15 @@ SHOWN = 3  # differing fields named in the error
 
 
 def flat(cfg: Config) -> dict[str, object]:
-    """section.field -> value, secrets redacted, the host-local fields left out."""
+    """section.field -> value, secrets redacted, the host-local fields left out; under `megascale launch`
+    also its --nnodes and --nproc-per-node (elastic's LOCAL_WORLD_SIZE)."""
     out = {f"{section}.{k}": v for section, values in cfg.to_dict().items() for k, v in values.items()}
-    return {k: v for k, v in out.items() if k not in HOST_LOCAL}
+    out = {k: v for k, v in out.items() if k not in HOST_LOCAL}
+    if NNODES_ENV in os.environ:
+        lo, _, hi = os.environ[NNODES_ENV].partition(":")
+        out["--nnodes"] = lo if lo == hi else f"{lo}:{hi}"
+        out["--nproc-per-node"] = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return out
 
 
 def check_same_config(cfg: Config, rank: int, world_size: int) -> list[str]:
@@ -70,8 +81,8 @@ def check_same_config(cfg: Config, rank: int, world_size: int) -> list[str]:
     ranks = sum(d != digests[0][0] for d, _ in digests)
     raise ConfigError(
         f"the ranks' configs differ: rank {other} (host {digests[other][1]}; {ranks} of {world_size} ranks "
-        f"differ from rank 0, host {digests[0][1]}): {said}{more}. Launch every host with the same config "
-        f"and overrides (only {', '.join(HOST_LOCAL)} may differ)")
+        f"differ from rank 0, host {digests[0][1]}): {said}{more}. Launch every host with the same config, "
+        f"overrides, --nnodes and --nproc-per-node (only {', '.join(HOST_LOCAL)} may differ)")
 
 
 def check_same_data(datasets: list[tuple[str, Documents]], rank: int, hosts: list[str]) -> None:

@@ -517,6 +517,7 @@ def launch(nnodes: str, nproc_per_node: int, rdzv_endpoint: str, run_id: str, tr
                        max_restarts=fault.max_restarts, monitor_interval=fault.monitor_interval_s,
                        local_addr=local_addr, rdzv_configs=rdzv)
     os.environ["MEGASCALE_LAUNCH"] = "1"  # the workers' cue: self-check before training (fault.selfcheck)
+    os.environ[rendezvous.NNODES_ENV] = f"{min_nodes}:{max_nodes}"
     # the host's name in the job: its address as the others reach it (simulated hosts share a hostname)
     host = os.environ.setdefault("MEGASCALE_HOST_ID", local_addr or socket.gethostname())
     log = EventLog(run_dir, host)

@@ -125,6 +125,9 @@ def _client(host: str, port: int):
 
 
 DEFAULT_PORT = 29400  # elastic's, for an endpoint that names none
+# the agent's --nnodes as MIN:MAX, in its workers' environment: the ranks compare it across hosts
+# (distributed/same_config.py), as they compare their configs
+NNODES_ENV = "MEGASCALE_NNODES"
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
