@@ -454,9 +454,11 @@ def test_a_hung_rank_is_named_and_the_job_goes_on_without_its_host(request, tmp_
     assert any(k == "hang" for ks in kinds.values() for k in ks), kinds
     page = section_faults(run, {k: read_metrics(run / "metrics.jsonl", k) for k in ("train", "layout")})
     assert "2 agent start(s) on 2 host(s)" in page and "1 host(s) evicted" in page and "ETTR " in page, page
-    # the hang's time: the steps since the newest snapshot and the hang timeout, then the restart
-    assert re.search(r"the rest: [\d.]+ s start-up, [\d.]+ s lost steps and detection, [\d.]+ s recovery",
-                     page), page
+    # the hang's time: the steps since the newest snapshot (under the half second the line shows, when the
+    # hang came soon after it), the hang timeout (10 s from the step that did not end), then the restart
+    noticed = re.search(r"the rest: [\d.]+ s start-up, (?:[\d.]+ s lost steps, )?([\d.]+) s detection, "
+                        r"[\d.]+ s recovery", page)
+    assert noticed and float(noticed[1]) >= 9.5, page
 
 
 def test_a_full_disk_and_a_rotten_shard_cost_checkpoints_not_the_run(request, tmp_path, data, reference):

@@ -371,10 +371,12 @@ def test_ettr_leaves_out_the_wait_between_launches_and_keeps_a_killed_agents_ste
 def test_the_time_that_was_no_step_is_cut_by_cause_and_adds_up():
     """A job of two hosts, 40 s: 10 s to its first step; an evaluation after step 4 (2 s) and step 7 (1 s);
     checkpoint saves after steps 5 (0.5 s) and 7 (1 s, after that evaluation); host b's workers crash
-    at t = 25, the job lost step 6's successors and restarts from it, its next step begins at t = 30;
-    0.2 s between steps 8 and 9; the agents end 4.8 s after the last step."""
+    after t = 23 (its agent's tick before saw them run) and it sees that at t = 25: the job lost step 6's
+    successors and restarts from it, its next step begins at t = 30; 0.2 s between steps 8 and 9; the
+    agents end 4.8 s after the last step."""
     events = [{"t": 0.0, "host": "a", "kind": "start"}, {"t": 0.5, "host": "b", "kind": "start"},
-              {"t": 25.0, "host": "b", "kind": "crash"}, {"t": 26.0, "host": "b", "kind": "restart"},
+              {"t": 25.0, "host": "b", "kind": "crash", "since": 23.0},
+              {"t": 26.0, "host": "b", "kind": "restart"},
               {"t": 26.0, "host": "a", "kind": "restart"},
               {"t": 40.0, "host": "a", "kind": "end", "code": 0},
               {"t": 40.0, "host": "b", "kind": "end", "code": 0}]
@@ -383,12 +385,19 @@ def test_the_time_that_was_no_step_is_cut_by_cause_and_adds_up():
     val = [{"step": 4, "seconds": 2.0}, {"step": 7, "seconds": 1.0}]
     saves = [{"step": 5, "blocked_s": 0.5}, {"step": 7, "blocked_s": 1.0}]
     lost = ettr.lost_time(events, {"train": train, "val": val, "checkpoint": saves})
-    want = {"start-up": 10.0, "lost steps and detection": 6.5, "recovery": 5.0, "evaluation": 3.0,
+    # from step 6's end (t = 18.5): its successors trained until the crash (lost), then 2 s to see it
+    want = {"start-up": 10.0, "lost steps": 4.5, "detection": 2.0, "recovery": 5.0, "evaluation": 3.0,
             "checkpoints": 1.5, "between steps": 0.2, "the end": 4.8}
     assert lost == pytest.approx(want)
     assert sum(lost.values()) == pytest.approx(40.0 - 9.0)  # the wall less the 9 steps: nothing twice
-    assert ettr.lost_text(lost) == ("the rest: 10.0 s start-up, 6.5 s lost steps and detection, 5.0 s "
+    assert ettr.lost_text(lost) == ("the rest: 10.0 s start-up, 4.5 s lost steps, 2.0 s detection, 5.0 s "
                                     "recovery, 3.0 s evaluation, 1.5 s checkpoints, 4.8 s the end")  # not 0.2
+    # a fault that began before the newest step kept (a rank silent since t = 10) was all detection; one
+    # whose start the agent does not know (an older agent's event), all lost steps
+    for since, split in ((10.0, (0.0, 6.5)), (None, (6.5, 0.0))):
+        other = [*events[:2], {**events[2], "since": since}, *events[3:]]
+        lost = ettr.lost_time(other, {"train": train, "val": val, "checkpoint": saves})
+        assert (lost["lost steps"], lost["detection"]) == pytest.approx(split)
     # a validation record of an older run (no seconds) before a save: the gap is the save's
     lost = ettr.lost_time(events, {"train": train, "val": [{"step": 7}], "checkpoint": saves})
     assert lost["evaluation"] == 0 and lost["checkpoints"] == pytest.approx(0.5 + 2.0)
@@ -399,11 +408,11 @@ def test_the_time_that_was_no_step_is_cut_by_cause_and_adds_up():
     assert lost["start-up"] == pytest.approx(10.0 + 4.0) and lost["the end"] == pytest.approx(4.8 + 5.0)
     # a fault before the first step that counts: the first attempt began training at t = 3 (its layout
     # record), its steps were truncated by the resume, a rank died at t = 4
-    early = [*events[:2], {"t": 4.0, "host": "a", "kind": "crash"}, *events[2:]]
+    early = [*events[:2], {"t": 4.0, "host": "a", "kind": "crash", "since": 3.5}, *events[2:]]
     lost = ettr.lost_time(early, {"train": train, "layout": [{"step": 0, "time": 3.0}], "val": val,
                                   "checkpoint": saves})
-    assert (lost["start-up"], lost["lost steps and detection"], lost["recovery"]) == pytest.approx(
-        (3.0, 1.0 + 6.5, 6.0 + 5.0))
+    assert (lost["start-up"], lost["lost steps"], lost["detection"], lost["recovery"]) == pytest.approx(
+        (3.0, 0.5 + 4.5, 0.5 + 2.0, 6.0 + 5.0))
     lost = ettr.lost_time(early, {"train": train, "val": val, "checkpoint": saves})  # never began: start-up
     assert (lost["start-up"], lost["recovery"]) == pytest.approx((4.0, 6.0 + 5.0))
 
@@ -421,7 +430,8 @@ def test_a_nan_rollback_costs_its_lost_steps_and_they_do_not_count_twice():
     assert ettr.ettr_text(events, train).startswith("ETTR 57.1% (6 s of training steps in 10 s")
     lost = ettr.lost_time(events, {"train": train, "rollback": rollback})
     # after step 2 (t = 3): the lost step 3 and the NaN step 4 to the rollback, then its restore
-    assert lost == pytest.approx({"start-up": 1.0, "lost steps and detection": 2.1, "recovery": 0.4,
+    # (the step that saw the NaN loss was the last lost: no time to notice)
+    assert lost == pytest.approx({"start-up": 1.0, "lost steps": 2.1, "detection": 0.0, "recovery": 0.4,
                                   "evaluation": 0.0, "checkpoints": 0.0, "between steps": 0.0,
                                   "the end": 1.0})
 

@@ -111,6 +111,7 @@ def make_agent_class():
             self._intervals: list[float] = []  # seconds per step seen in the beats (the auto hang timeout)
             self._healthy = False  # the last monitor tick found the workers healthy
             self._phases: dict[str, float] | None = None  # the restart in progress: phase -> seconds
+            self._tick: float | None = None  # the last monitor tick, or the workers' (re)start after it
 
         # ---------------------------------------------------------------- the rendezvous store
 
@@ -190,6 +191,8 @@ def make_agent_class():
         def _monitor_workers(self, worker_group):
             self._healthy = False
             self._kill_the_rest_after_a_failure()
+            # every worker was running at the previous tick: a crash seen now began after it
+            seen_running, self._tick = self._tick, time.time()
             result = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED:
                 codes = {f.exitcode for f in result.failures.values()}
@@ -217,15 +220,15 @@ def make_agent_class():
                          "another host's launch); not restarted: run the same command to resume")
                 else:
                     worst = {r: f.exitcode for r, f in result.failures.items()}
-                    self._event("crash", f"worker exit codes {worst}")
+                    self._event("crash", f"worker exit codes {worst}", since=seen_running)
                 return result
             if result.state != WorkerState.HEALTHY:
                 return result
-            why = self._check_beats(worker_group)
+            why, since = self._check_beats(worker_group)
             if why is not None:
                 hang = "no new step" in why
                 self._event("hang" if hang else "no heartbeat", f"{why}; {self._judge_hang(worker_group)}"
-                            if hang else why)
+                            if hang else why, since=since)
                 return RunResult(state=WorkerState.UNHEALTHY)
             self._healthy = True  # if elastic restarts now, it is for a host waiting to join
             return result
@@ -237,16 +240,18 @@ def make_agent_class():
             if killed:
                 _say(f"a worker failed: stopping the other {killed} with SIGKILL")
 
-        def _check_beats(self, worker_group) -> str | None:
+        def _check_beats(self, worker_group) -> tuple[str | None, float | None]:
+            """What is wrong with the workers' heartbeats, if anything, and since when: the last beat of a
+            silent rank, the time a stuck rank's step last moved (as this agent saw it)."""
             if self.beat_store is None:
-                return None
+                return None, None
             if self._store_at != self._generation:  # new workers: forget the old ones' progress
                 self._store_at = self._generation
                 self._progress.clear()
             ranks = [w.global_rank for w in worker_group.workers]
             beats = read_heartbeats(self.beat_store, self._generation, ranks)
             if beats is None:
-                return None
+                return None, None
             now, f = time.time(), self.fault
             for rank, beat in beats.items():
                 if beat.get("status") in ("done", "stopped", "failed"):
@@ -254,7 +259,8 @@ def make_agent_class():
                 age = now - float(beat["t"])
                 if age > f.heartbeat_timeout_s:
                     return (f"rank {rank} (pid {beat.get('pid')}) sent no heartbeat for {age:.1f} s "
-                            f"(last at step {beat.get('step')}, {beat.get('status')}): dead or stopped")
+                            f"(last at step {beat.get('step')}, {beat.get('status')}): dead or stopped",
+                            float(beat["t"]))
                 step = int(beat.get("step") or 0)
                 last = self._progress.get(rank)
                 if last is None or step != last[0]:
@@ -266,8 +272,9 @@ def make_agent_class():
                 limit = self._hang_timeout()
                 if beat.get("status") == "training" and now - last[1] > limit:
                     return (f"rank {rank} (pid {beat.get('pid')}) beats but has made no new step for "
-                            f"{now - last[1]:.1f} s (stuck after step {step}; hang timeout {limit:.0f} s)")
-            return None
+                            f"{now - last[1]:.1f} s (stuck after step {step}; hang timeout {limit:.0f} s)",
+                            last[1])
+            return None, None
 
         def _judge_hang(self, worker_group) -> str:
             """Who the hang waits on (fault/hang.py, read while every rank is still in place); in a multi-host
@@ -299,9 +306,12 @@ def make_agent_class():
             median = statistics.median(self._intervals) if self._intervals else 3.0
             return max(60.0, 20 * median)
 
-        def _event(self, kind: str, detail: str) -> None:
+        def _event(self, kind: str, detail: str, since: float | None = None) -> None:
+            """A fault seen now (`since`: when it began, as far as this agent can tell: ETTR's detection
+            time, observe/ettr.py), said and logged."""
             left, most = self._remaining_restarts, self._worker_group.spec.max_restarts
-            self._log(kind, detail=detail, restart=most - left + 1 if left > 0 else None, max_restarts=most)
+            self._log(kind, detail=detail, restart=most - left + 1 if left > 0 else None, max_restarts=most,
+                      since=round(since, 3) if since is not None else None)
             then = (f"restarting the job (restart {most - left + 1} of {most})" if left > 0
                     else f"no restarts left (fault.max_restarts={most}): the job fails")
             _say(f"{kind}: {detail}; {then}")
@@ -323,6 +333,7 @@ def make_agent_class():
             parts = ", ".join(f"{k} {v:.2f} s" for k, v in self._phases.items())
             self._log("restart", phases={k: round(v, 3) for k, v in self._phases.items()},
                       round=os.environ.get("MEGASCALE_ROUND"))
+            self._tick = time.time()  # the new workers run from here: a crash seen next began after it
             _say(f"restart: {parts} (round {os.environ.get('MEGASCALE_ROUND', '?')}); the workers' own "
                  "start-up is in the run's startup records")
 

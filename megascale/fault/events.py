@@ -1,14 +1,17 @@
 """What the agents of a launched job saw and did, kept in the run directory: RUN_DIR/events/HOST.jsonl.
 
     {"t": 1733562000.1, "host": "10.0.0.2", "kind": "crash", "detail": "worker exit codes {1: -9}",
-     "restart": 1, "max_restarts": 3}
+     "restart": 1, "max_restarts": 3, "since": 1733561999.6}
 
 One JSON object per line, one file per host's agent: the hosts of a job share the run directory, and
 appends from several machines to one file of a network filesystem are not atomic. The kinds:
 
     start      the agent began (run id, hosts MIN:MAX, workers per host, its pid)
     crash, no heartbeat, hang, evict
-               a fault it saw (the same line it prints), with the restart it makes (None: none left)
+               a fault it saw (the same line it prints), with the restart it makes (None: none left) and,
+               where the agent knows it, `since`: when the fault began (a crash: the monitor tick before,
+               when every worker still ran; no heartbeat: the silent rank's last beat; a hang: when the
+               stuck rank's step last moved), so ETTR tells the time to notice from the steps lost
     membership a host waits to join (restarted, a replacement): elastic's own restart, not counted
     restart    the workers run again: the seconds of each phase (stopped, rendezvous, workers started)
     evicted    this host leaves the job (failed self-check, straggler, hang)

@@ -84,8 +84,18 @@ def agent_spans(events: list[dict], step_times: list[float]) -> list[tuple[float
 
 
 # the causes of lost time, in the order they are told
-CAUSES = ("start-up", "lost steps and detection", "recovery", "evaluation", "checkpoints", "between steps",
+CAUSES = ("start-up", "lost steps", "detection", "recovery", "evaluation", "checkpoints", "between steps",
           "the end")
+
+
+def _lost_then_noticed(out: dict[str, float], lo: float, fault: tuple[float, float | None]) -> None:
+    """From `lo` to a fault seen at t that began at `since`: the steps trained meanwhile were lost (their
+    records replaced by the re-done ones), then the time to notice it. A fault with no `since` (a NaN
+    rollback: the step that saw it was the last; an older agent's event) was all lost steps."""
+    t, since = fault
+    began = t if since is None else min(max(since, lo), t)
+    out["lost steps"] += began - lo
+    out["detection"] += t - began
 
 
 def lost_time(events: list[dict], metrics: dict[str, list[dict]]) -> dict[str, float]:
@@ -96,20 +106,23 @@ def lost_time(events: list[dict], metrics: dict[str, list[dict]]) -> dict[str, f
     its last step to its end, is given whole to one cause, so the parts add up to the whole:
 
     * from a span's start to its first step: start-up (agents, rendezvous, workers, restore); where a
-      fault came first, start-up only to the failed attempt's layout record (its training began), lost
-      steps and detection to the fault, recovery after it;
-    * a gap in which an agent saw a fault or the job rolled back a NaN loss: up to the first of them,
-      the steps lost (trained after the state later restored, their records replaced by the re-done
-      ones) and the time to notice; from it to the next step, the recovery (a restart, or the
-      rollback's restore);
+      fault came first, start-up only to the failed attempt's layout record (its training began), then
+      lost steps and detection as below, recovery after it;
+    * a gap in which an agent saw a fault or the job rolled back a NaN loss: up to when the first of them
+      began (its event's `since`: fault/events.py), the steps lost (trained after the state later
+      restored, their records replaced by the re-done ones); from then to when it was seen, detection;
+      from it to the next step, the recovery (a restart, or the rollback's restore);
     * after a step with a validation pass (its `seconds` where the record has them) and a checkpoint
       save: evaluation, then checkpoints;
     * from the last step of a span to its end: the end (the final save, the agents' exit);
     * any other gap: between steps (logging, the loop's own work)."""
     records = timed(metrics.get("train", []))
     spans = agent_spans(events, [r["time"] for r in records])
-    rollbacks = [r["time"] for r in metrics.get("rollback", []) if isinstance(r.get("time"), (int, float))]
-    faults = sorted([e["t"] for e in events if e["kind"] in FAULTS] + rollbacks)
+    rollbacks = [(r["time"], None) for r in metrics.get("rollback", [])
+                 if isinstance(r.get("time"), (int, float))]
+    faults = sorted([(e["t"], e.get("since")) for e in events if e["kind"] in FAULTS] + rollbacks,
+                    key=lambda f: f[0])
+    seen_at = [t for t, _ in faults]
     # an attempt's layout record: its workers start training (kept when a resume truncates the steps)
     layouts = [r["time"] for r in metrics.get("layout", []) if isinstance(r.get("time"), (int, float))]
     evals = {r["step"]: r.get("seconds") for r in metrics.get("val", [])}
@@ -121,22 +134,22 @@ def lost_time(events: list[dict], metrics: dict[str, list[dict]]) -> dict[str, f
             out["start-up"] += b - a  # no step at all: the job never got going in this span
             continue
         first = max(a, steps[0]["time"] - steps[0]["step_time"])
-        seen = [t for t in faults[bisect.bisect_left(faults, a):] if t <= first]
+        seen = [f for f in faults[bisect.bisect_left(seen_at, a):] if f[0] <= first]
         if seen:  # the first attempt failed: what it trained, if anything (records truncated), was lost
-            began = min([t for t in layouts if a <= t <= seen[0]], default=seen[0])
+            began = min([t for t in layouts if a <= t <= seen[0][0]], default=seen[0][0])
             out["start-up"] += began - a
-            out["lost steps and detection"] += seen[0] - began
-            out["recovery"] += first - seen[0]
+            _lost_then_noticed(out, began, seen[0])
+            out["recovery"] += first - seen[0][0]
         else:
             out["start-up"] += first - a
         out["the end"] += b - steps[-1]["time"]
         for before, after in zip(steps, steps[1:], strict=False):
             lo, hi = before["time"], after["time"] - after["step_time"]
             gap = max(0.0, hi - lo)
-            seen = [t for t in faults[bisect.bisect_left(faults, lo):] if t <= hi]
+            seen = [f for f in faults[bisect.bisect_left(seen_at, lo):] if f[0] <= hi]
             if seen:
-                out["lost steps and detection"] += seen[0] - lo
-                out["recovery"] += hi - seen[0]
+                _lost_then_noticed(out, lo, seen[0])
+                out["recovery"] += hi - seen[0][0]
             elif before["step"] in saved:  # evaluation (its own seconds, where known) comes first
                 took = min(gap, evals.get(before["step"]) or 0.0) if before["step"] in evals else 0.0
                 out["evaluation"] += took
