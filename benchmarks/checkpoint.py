@@ -134,6 +134,7 @@ def med(xs: list[float]) -> float:
 
 
 def measure_training(cfg, reps: int, max_during: int) -> dict:
+    from megascale.checkpoint.manager import state_mb
     from megascale.train import Trainer
 
     trainer = Trainer(cfg, resume=False, quiet=True)
@@ -143,8 +144,7 @@ def measure_training(cfg, reps: int, max_during: int) -> dict:
                  "short_persists": 0}
     try:
         trainer.train_step()  # the optimizer state exists after the first step
-        out["state_bytes"] = sum(c.tensor.numel() * c.tensor.element_size()
-                                 for c in trainer.engine.model_chunks() + trainer.engine.optimizer_chunks())
+        out["state_bytes"] = state_mb(trainer.engine) * 1e6
         for i in range(2):  # two snapshots: each allocates and first-touches one of the two slots
             t0 = time.perf_counter()
             trainer.save(persist=False)

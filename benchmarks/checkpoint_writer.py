@@ -62,6 +62,7 @@ def rss_mb(pid: int) -> float:
 
 
 def measure(cfg, reps: int) -> dict:
+    from megascale.checkpoint.manager import state_mb
     from megascale.train import Trainer
 
     trainer = Trainer(cfg, resume=False, quiet=True)
@@ -69,8 +70,7 @@ def measure(cfg, reps: int) -> dict:
     out: dict = {"extra": [], "persist": [], "rss": float("nan")}
     try:
         trainer.train_step()
-        out["state_mb"] = sum(c.tensor.numel() * c.tensor.element_size() for c in
-                              trainer.engine.model_chunks() + trainer.engine.optimizer_chunks()) / 1e6
+        out["state_mb"] = state_mb(trainer.engine)  # what the manager weighs against the threshold
         for _ in range(2):  # both memory slots allocated and first-touched: their cost is not the writer's
             trainer.save(persist=False)
             trainer.train_step()
