@@ -108,6 +108,12 @@ def test_a_fault_is_recovered_exactly(tmp_path, data, reference, fault, detected
     seen = events[1]
     assert (seen["restart"], seen["max_restarts"]) == (1, 3), seen
     assert re.search(detected, f"{seen['kind']}: {seen['detail']}"), seen
+    # when the fault began, as the agent knows it (ETTR's detection time): the monitor tick before a crash,
+    # a silent rank's last beat, a stuck rank's last step, the latter two as long ago as the line says
+    assert seen["since"] <= seen["t"], seen
+    waited = re.search(r" for ([\d.]+) s", seen["detail"])
+    assert not waited or seen["t"] - seen["since"] >= float(waited[1]) - 0.06, seen  # (said to 0.1 s)
+    assert "of binary:" not in r.stderr, r.stderr[-3000:]  # elastic's line after ours, which says it
     assert set(events[2]["phases"]) == {"stopped", "rendezvous", "workers started"}
     assert events[-1]["code"] == 0 and events[0]["nproc_per_node"] == 2
     from megascale.observe.ettr import ettr_text

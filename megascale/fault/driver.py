@@ -73,6 +73,16 @@ def _say(msg: str) -> None:
     print(f"megascale launch: {msg}", file=sys.stderr, flush=True)
 
 
+class _WorkerFailureSaid(logging.Filter):
+    """Drops elastic's ERROR line for a failed worker ("failed (exitcode: 2) local_rank: 0 (pid: ..) of
+    binary: ..."), the one line of its that the agent still printed: ours says it, with what follows
+    (`crash: worker exit codes {...}; restarting ...`), and a user error's or a self-check's is the
+    workers' own line above it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
 def _final(codes: set[int], code: int) -> bool:
     """Whether the workers stopped on an error that a restart cannot fix: every worker exited `code`, or
     some did and the agent killed the rest (negative codes)."""
@@ -578,6 +588,9 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
     rendezvous.register()
     config = LaunchConfig(rdzv_backend=rendezvous.BACKEND, rdzv_endpoint=rdzv_endpoint, **config_args)
     logging.disable(logging.WARNING)  # the agent's own chatter; ours goes to stderr by _say
+    said = _WorkerFailureSaid()
+    elastic_workers = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    elastic_workers.addFilter(said)
     agent = None
     try:
         store_host = rendezvous.split_endpoint(rdzv_endpoint)[0]
@@ -633,4 +646,5 @@ def _run_agent(config_args: dict, fault: FaultConfig, max_nodes: int, host: str,
         return 128 + int(e.sigval)
     finally:
         logging.disable(logging.NOTSET)
+        elastic_workers.removeFilter(said)
     return 0
