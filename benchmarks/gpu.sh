@@ -8,11 +8,12 @@
 #   gpu_check      the device, its peak and source, bench-model tokens/s and MFU, timers on a GPU
 #   gpt_eager      the ~1.3B GPT (configs/gpu_gpt_1_3b.toml) in bf16: tokens/s and MFU, eager ops
 #   gpt_fused      the same with model.fused_ops (Triton kernels)
-#   gpt_compile    the same with train.compile (torch.compile of the model)
+#   gpt_compile    the same with train.compile (each block compiled)
 #   llama_eager    the Llama-style 1.3B (RMSNorm, SwiGLU, rotary), eager, then fused
 #   attention      sliding-window (flex_attention, block mask) vs full causal (SDPA) as s grows
 #   generate       600 tokens of sliding-window generation: how many graphs flex attention compiled
 #   tp2            a 2-process NCCL tensor-parallel run on this one GPU (NCCL may refuse it)
+#   tp2_compile    the same, sequence parallel and train.compile: the functional collectives on NCCL
 #   plan           `megascale plan --calibrate` here, then the planner's step time for the 1.3B run
 # On a machine without CUDA it says so and exits 0.
 set -u
@@ -88,6 +89,9 @@ print(f"generate sliding window=256: {out.shape[1] - 1} tokens in {time.perf_cou
 PY
 part tp2 60 "$PY" -m megascale train --nproc 2 --config configs/bench_gpt_19m.toml parallel.tp=2 train.steps=10 \
     train.dtype=bf16 checkpoint.resume=false "train.run_dir=$OUT/tp2"
+part tp2_compile 60 "$PY" -m megascale train --nproc 2 --config configs/bench_gpt_19m.toml parallel.tp=2 \
+    parallel.sequence_parallel=true train.compile=true train.steps=10 train.dtype=bf16 checkpoint.resume=false \
+    "train.run_dir=$OUT/tp2_compile"
 part plan 120 bash -c "'$PY' -m megascale plan --cluster h200 --calibrate && \
     '$PY' -m megascale plan --config configs/gpu_gpt_1_3b.toml --cluster h200 --gpus 1 --settings config"
 echo "gpu.sh: logs in $OUT"

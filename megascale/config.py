@@ -611,10 +611,6 @@ def validate_layout(cfg: Config) -> None:
         if schedule == "interleaved" and (micro < p.pp or micro % p.pp):
             raise ConfigError(f"train.global_batch: {what} are not a multiple of parallel.pp={p.pp}, as "
                               "the interleaved schedule requires")
-    if t.compile and p.tp > 1:
-        raise ConfigError(f"train.compile: not supported with parallel.tp = {p.tp} yet (the tensor-parallel "
-                          "collectives inside each block would cut its compiled graph into pieces); dp and "
-                          "pp layouts compile")
 
 
 def check_world_size(cfg: Config, processes: int, source: str) -> None:

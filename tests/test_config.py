@@ -88,7 +88,6 @@ def test_round_trip_through_toml(tmp_path):
         (["parallel.pp=2", "parallel.vpp=2", "parallel.pp_warmup_ahead=1"], "parallel.pp_warmup_ahead",
          "1f1b schedule, not interleaved"),
         (["parallel.dp_bucket_size=0"], "parallel.dp_bucket_size", "> 0"),
-        (["parallel.tp=2", "train.compile=true"], "train.compile", "parallel.tp = 2"),
         (["distributed.store=etcd://host:2379"], "distributed.store", "tcp, tcp-legacy or redis://"),
         (["distributed.group_init=fast"], "distributed.group_init", "must be one of"),
         (["distributed.timeout_s=0"], "distributed.timeout_s", "> 0"),

@@ -77,9 +77,12 @@ LAYOUTS = {
     "dp2-tp2-sp-gloo": (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                             "parallel.dp_bucket_size=3000", "parallel.transport=gloo"], "llama-sliding",
                         "adamw", "fp64", True),
-    # train.compile: each block a compiled graph (inductor's float64 kernels), against the eager one process
+    # train.compile: each block a compiled graph (inductor's float64 kernels), against the eager one process;
+    # under tp the block's collectives are functional ones inside its graph (tensor/comm.py)
     "dp2-pp2-compile": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.dp_bucket_size=3000",
                             "train.compile=true"], "llama-parallel", "adamw", "fp64", True),
+    "tp2-sp-compile": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true"],
+                       "gpt-parallel", "adamw", "fp64", False),
     "dp2-pp2-tp2-sp": (8, ["parallel.dp=2", "parallel.pp=2", "parallel.tp=2",
                            "parallel.sequence_parallel=true", "parallel.dp_bucket_size=3000"],
                        "gpt", "lamb", "fp64", True),
@@ -107,14 +110,19 @@ def overrides(data: list[str], run_dir: Path, model: str, optim: str, dtype: str
 
 
 def run_on_rank(rank: int, args: list[str], split_at: int | None = None):
-    """On every rank: Trainer(cfg).fit(); with split_at, stop there and resume in a fresh Trainer."""
+    """On every rank: Trainer(cfg).fit(); with split_at, stop there and resume in a fresh Trainer. Without
+    split_at, also the graph breaks torch.compile met (none where nothing compiles)."""
+    from torch._dynamo.utils import counters
+
     if split_at is None:
+        counters.clear()  # (a pool's worker has run earlier layouts)
         trainer = Trainer(load_config(None, args), quiet=True)
         result = trainer.fit()
+        breaks = sum(counters["graph_break"].values())
         full = trainer.engine.full_model_state()  # collective: the one-process state dict
         model = trainer.full_model()  # collective: the one GPT (to sample from), on rank 0 only
         assert (model is not None) == (rank == 0)
-        return result["losses"], result["val_loss"], full if rank == 0 else None
+        return result["losses"], result["val_loss"], full if rank == 0 else None, breaks
     first = Trainer(load_config(None, args), quiet=True).fit(max_steps=split_at)
     torch.manual_seed(999)  # a resume must restore the RNG, not inherit the process's state
     second = Trainer(load_config(None, args), quiet=True)
@@ -145,9 +153,12 @@ def test_trainer_layout_matches_one_process(pools, data, tmp_path, name):
     args = overrides(data, tmp_path / "par", model, optim, dtype, *parallel)
     pool = pools(world)
     results = pool.run(run_on_rank, args)
-    losses, val, weights = results[0]
+    losses, val, weights, _ = results[0]
 
     assert all(r[0] == losses and r[1] == val for r in results)  # every rank reports the job's numbers
+    # each compiled block is one graph: no collective, timer or transport call inside cuts it (under tp the
+    # block's collectives are functional ones, parallel/tensor/comm.py)
+    assert [r[3] for r in results] == [0] * world, [r[3] for r in results]
     assert metrics(tmp_path / "par", "train", "loss") == losses  # rank 0 alone logs, each step once
     loss_rel = rel(losses, want["losses"])
     norm_rel = rel(metrics(tmp_path / "par", "train", "grad_norm"),

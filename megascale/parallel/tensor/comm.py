@@ -15,12 +15,18 @@ sequence parallelism splits `seq` (dim 1).
 Why the backward passes clone before an in-place collective: autograd may hand the same
 gradient tensor to several consumers (the residual add does), and an in-place all-reduce
 on it would corrupt the others.
+
+Under train.compile (each block a compiled graph) the three collectives are PyTorch's functional
+ones (`torch.distributed._functional_collectives`), which a graph can hold: ours run in place, time
+themselves and may go through our own transport, each of which would cut the block's graph in two
+(~35 pieces a rank in a tp2 block). The graph's collectives are not in the timers' tp figures.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from megascale.distributed.direct import start_all_gather, start_reduce_scatter
@@ -29,6 +35,8 @@ from megascale.parallel.mesh import Mesh
 
 
 def _all_reduce(x: Tensor, mesh: Mesh) -> Tensor:
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x, "sum", mesh.tp_group)  # out of place: no clone needed
     x = x.clone(memory_format=torch.contiguous_format)
     with timers.comm("all_reduce", "tp", "tp", nbytes=x.numel() * x.element_size()):
         mesh.all_reduce(x, mesh.tp_group)
@@ -45,12 +53,15 @@ def _split(x: Tensor, mesh: Mesh, dim: int) -> Tensor:
 def _all_gather(x: Tensor, mesh: Mesh, dim: int) -> Tensor:
     x = x.contiguous()
     # gloo wants the output in concatenated form (tp * n0, ...); viewed as stacked (tp, n0, ...).
-    out = x.new_empty((mesh.tp * x.shape[0], *x.shape[1:]))
-    with timers.comm("all_gather", "tp", "tp", nbytes=out.numel() * out.element_size()):
-        if mesh.direct_collectives:  # gloo: faster than its own (distributed/direct.py)
-            start_all_gather(out, x, mesh.tp_group).wait()
-        else:
-            dist.all_gather_single(out, x, group=mesh.tp_group)
+    if torch.compiler.is_compiling():
+        out = funcol.all_gather_tensor(x, 0, mesh.tp_group)
+    else:
+        out = x.new_empty((mesh.tp * x.shape[0], *x.shape[1:]))
+        with timers.comm("all_gather", "tp", "tp", nbytes=out.numel() * out.element_size()):
+            if mesh.direct_collectives:  # gloo: faster than its own (distributed/direct.py)
+                start_all_gather(out, x, mesh.tp_group).wait()
+            else:
+                dist.all_gather_single(out, x, group=mesh.tp_group)
     out = out.view(mesh.tp, *x.shape)
     # (tp, ..., n, ...) -> (..., tp * n, ...): the gathered pieces in rank order along dim.
     dim = dim % x.ndim
@@ -62,6 +73,9 @@ def _reduce_scatter(x: Tensor, mesh: Mesh, dim: int) -> Tensor:
     if x.shape[dim] % mesh.tp:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over tp={mesh.tp}")
     pieces = x.unflatten(dim, (mesh.tp, -1)).movedim(dim, 0).contiguous()
+    if torch.compiler.is_compiling():  # this rank's piece of the sum, from the pieces stacked on dim 0
+        mine = funcol.reduce_scatter_tensor(pieces.flatten(0, 1), "sum", 0, mesh.tp_group)
+        return mine.view(pieces.shape[1:])
     out = x.new_empty(pieces.shape[1:])
     with timers.comm("reduce_scatter", "tp", "tp", nbytes=pieces.numel() * pieces.element_size()):
         if mesh.direct_collectives:  # gloo: half the bytes of its own reduce-scatter
