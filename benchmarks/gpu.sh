@@ -13,7 +13,7 @@
 #   attention      sliding-window (flex_attention, block mask) vs full causal (SDPA) as s grows
 #   generate       600 tokens of sliding-window generation: how many graphs flex attention compiled
 #   tp2            a 2-process NCCL tensor-parallel run on this one GPU (NCCL may refuse it)
-#   tp2_compile    the same, sequence parallel and train.compile: the functional collectives on NCCL
+#   tp2_compile    the same, sequence parallel and train.compile: the tp collectives as custom ops on NCCL
 #   plan           `megascale plan --calibrate` here, then the planner's step time for the 1.3B run
 # On a machine without CUDA it says so and exits 0.
 set -u

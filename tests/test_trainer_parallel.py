@@ -78,7 +78,7 @@ LAYOUTS = {
                             "parallel.dp_bucket_size=3000", "parallel.transport=gloo"], "llama-sliding",
                         "adamw", "fp64", True),
     # train.compile: each block a compiled graph (inductor's float64 kernels), against the eager one process;
-    # under tp the block's collectives are functional ones inside its graph (tensor/comm.py)
+    # under tp the block's collectives are custom operators inside its graph (tensor/comm.py)
     "dp2-pp2-compile": (4, ["parallel.dp=2", "parallel.pp=2", "parallel.dp_bucket_size=3000",
                             "train.compile=true"], "llama-parallel", "adamw", "fp64", True),
     "tp2-sp-compile": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true"],
@@ -157,7 +157,7 @@ def test_trainer_layout_matches_one_process(pools, data, tmp_path, name):
 
     assert all(r[0] == losses and r[1] == val for r in results)  # every rank reports the job's numbers
     # each compiled block is one graph: no collective, timer or transport call inside cuts it (under tp the
-    # block's collectives are functional ones, parallel/tensor/comm.py)
+    # block's collectives are custom operators, parallel/tensor/comm.py)
     assert [r[3] for r in results] == [0] * world, [r[3] for r in results]
     assert metrics(tmp_path / "par", "train", "loss") == losses  # rank 0 alone logs, each step once
     loss_rel = rel(losses, want["losses"])

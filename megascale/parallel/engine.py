@@ -135,7 +135,7 @@ class ParallelEngine:
             set_rng_state(rng)
             self.model = model = model.to(dtype=dtype)
             self.load_model_state(full_state)
-        if t.compile:  # each block one graph (under tp its collectives are functional ones: tensor/comm.py)
+        if t.compile:  # each block one graph (under tp its collectives are custom ops: tensor/comm.py)
             for block in model.blocks:
                 block.compile()
         self.forward = model

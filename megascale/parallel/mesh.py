@@ -24,7 +24,7 @@ so it does without, and its start-up creates exactly the groups `mesh_group_kind
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,9 @@ def check_world_size(cfg: ParallelConfig, world_size: int) -> None:
         )
 
 
+_MESHES: list[Mesh] = []  # every Mesh this process made (a few: one per Trainer, tests make more)
+
+
 @dataclass(frozen=True, eq=False)
 class Mesh:
     """This rank's place in the (dp, pp, tp) grid and its groups (None where a size is 1)."""
@@ -119,6 +122,17 @@ class Mesh:
     pp_bwd_group: dist.ProcessGroup | None = None  # the pp ranks again (pp > 1, NCCL): backward p2p
     # reduce-scatters and all-gathers by direct sends (distributed/direct.py): gloo with the flag on only
     direct_collectives: bool = False
+    # this mesh's place in the process's list of meshes: what the tp collectives inside a compiled graph
+    # carry to find it (custom ops take tensors and plain values; parallel/tensor/comm.py)
+    key: int = field(default=-1, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", len(_MESHES))
+        _MESHES.append(self)
+
+    @staticmethod
+    def by_key(key: int) -> Mesh:
+        return _MESHES[key]
 
     @classmethod
     def build(cls, cfg: ParallelConfig, group_init: str = "local", p2p_groups: bool | None = None) -> Mesh:
