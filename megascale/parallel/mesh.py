@@ -23,6 +23,8 @@ so it does without, and its start-up creates exactly the groups `mesh_group_kind
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -103,7 +105,9 @@ def check_world_size(cfg: ParallelConfig, world_size: int) -> None:
         )
 
 
-_MESHES: list[Mesh] = []  # every Mesh this process made (a few: one per Trainer, tests make more)
+# every live Mesh of this process by its key (the planner makes thousands, each let go)
+_MESHES: weakref.WeakValueDictionary[int, Mesh] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,13 +126,13 @@ class Mesh:
     pp_bwd_group: dist.ProcessGroup | None = None  # the pp ranks again (pp > 1, NCCL): backward p2p
     # reduce-scatters and all-gathers by direct sends (distributed/direct.py): gloo with the flag on only
     direct_collectives: bool = False
-    # this mesh's place in the process's list of meshes: what the tp collectives inside a compiled graph
-    # carry to find it (custom ops take tensors and plain values; parallel/tensor/comm.py)
+    # what the tp collectives inside a compiled graph carry to find this mesh (custom ops take tensors and
+    # plain values; parallel/tensor/comm.py)
     key: int = field(default=-1, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", len(_MESHES))
-        _MESHES.append(self)
+        object.__setattr__(self, "key", next(_KEYS))
+        _MESHES[self.key] = self
 
     @staticmethod
     def by_key(key: int) -> Mesh:
